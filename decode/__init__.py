@@ -1,0 +1,1 @@
+"""Decode worker: receives KV handoffs, generates (continuous, speculative), streams tokens back."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""

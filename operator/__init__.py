@@ -1,0 +1,1 @@
+"""The pdserve operator: InferenceService CRD -> prefill/decode pools, services, autoscalers, status."""

