@@ -1,0 +1,133 @@
+"""The wire protocol of pdserve's control plane: every NATS subject and message schema, in one place.
+
+NATS carries control, never bulk KV bytes: requests to prefill, handoff offers and replies,
+token streams, cancellations, failure records, and worker load reports (which double as
+heartbeats and as the registry). KV bytes travel a direct data path (see `kvtransfer.tcp`)
+whose frames are described in `kvtransfer.frames`.
+
+Versioning: every subject starts with `pdserve.v1`; every message carries `v` (the protocol
+version). A receiver refuses a message of a version it does not speak with an explicit error.
+
+Subjects (`{m}` is the served model name, `{w}` a worker id, `{r}` a request id):
+
+| subject                                  | from → to        | message                      |
+|------------------------------------------|------------------|------------------------------|
+| pdserve.v1.prefill.{m}  (queue "prefill")| front → prefill  | PrefillRequest → Ack         |
+| pdserve.v1.decode.{w}.handoff            | prefill → decode | HandoffOffer → HandoffReply  |
+| pdserve.v1.stream.{r}                    | workers → front  | StreamEvent (tokens/errors)  |
+| pdserve.v1.cancel.{r}                    | front → workers  | Cancel                       |
+| pdserve.v1.load.{role}.{w}               | worker → all     | LoadReport (1 Hz; heartbeat) |
+| pdserve.v1.bye.{role}.{w}                | worker → all     | LoadReport (clean shutdown)  |
+"""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROTOCOL_VERSION = 1
+PREFIX = f"pdserve.v{PROTOCOL_VERSION}"
+PREFILL_QUEUE_GROUP = "prefill"
+
+Role = Literal["prefill", "decode", "front", "draft"]
+
+
+class ProtocolError(ValueError):
+    """A control message that cannot be accepted (wrong version, malformed, fenced out)."""
+
+
+def _safe_token(s: str) -> str:
+    # Subject tokens may not contain '.', '*', '>' or whitespace.
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in s)
+
+
+class Subjects:
+    """Subject names. Model names and ids are sanitised into single subject tokens."""
+
+    @staticmethod
+    def prefill(model: str) -> str:
+        return f"{PREFIX}.prefill.{_safe_token(model)}"
+
+    @staticmethod
+    def decode_handoff(worker_id: str) -> str:
+        return f"{PREFIX}.decode.{_safe_token(worker_id)}.handoff"
+
+    @staticmethod
+    def stream(request_id: str) -> str:
+        return f"{PREFIX}.stream.{_safe_token(request_id)}"
+
+    @staticmethod
+    def cancel(request_id: str) -> str:
+        return f"{PREFIX}.cancel.{_safe_token(request_id)}"
+
+    CANCEL_ALL = f"{PREFIX}.cancel.*"
+
+    @staticmethod
+    def load(role: str, worker_id: str) -> str:
+        return f"{PREFIX}.load.{role}.{_safe_token(worker_id)}"
+
+    LOAD_ALL = f"{PREFIX}.load.>"
+
+    @staticmethod
+    def bye(role: str, worker_id: str) -> str:
+        return f"{PREFIX}.bye.{role}.{_safe_token(worker_id)}"
+
+    BYE_ALL = f"{PREFIX}.bye.>"
+
+
+class Message(BaseModel):
+    """Base of every control message: versioned, strict about unknown fields."""
+
+    model_config = ConfigDict(extra="forbid")
+    v: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def decode(cls, data: bytes):
+        try:
+            msg = cls.model_validate_json(data)
+        except Exception as e:  # pydantic.ValidationError or a JSON error
+            raise ProtocolError(f"malformed {cls.__name__}: {e}") from e
+        if msg.v != PROTOCOL_VERSION:
+            raise ProtocolError(f"{cls.__name__} speaks protocol v{msg.v}; this worker speaks v{PROTOCOL_VERSION}")
+        return msg
+
+
+class LoadReport(Message):
+    """A worker's identity and load, published at 1 Hz on `load.{role}.{worker_id}`.
+
+    It is the heartbeat (a worker unseen for `stale_after_s` is dead), the registry (who serves
+    which model, where its data port is) and the autoscaling signal source (the metrics adapter
+    and the router read it). Units are in the field names.
+    """
+
+    worker_id: str
+    role: Role
+    model: str
+    model_fingerprint: str = ""
+    generation: int = 0  # incarnation of this worker id; a handoff from an older one is refused
+    time_unix_s: float = Field(default_factory=time.time)
+    # Kubernetes identity, from the downward API (PDSERVE_ISVC / PDSERVE_POOL / POD_NAME / POD_NAMESPACE).
+    isvc: str | None = None
+    pool: str | None = None
+    pod: str | None = None
+    namespace: str | None = None
+    data_addr: str | None = None  # "host:port" of the worker's direct KV data server
+    # Load. Prefill: queue of prompts not yet started. Decode: sequences running/waiting.
+    queue_depth: int = 0
+    queue_wait_seconds: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    kv_utilization: float = 0.0  # 0..1 of the worker's KV capacity in use
+    kv_bytes_used: int = 0
+    kv_bytes_capacity: int = 0
+    transfer_backlog_handoffs: int = 0
+    transfer_backlog_bytes: int = 0
+    ttft_seconds: float = 0.0  # recent mean, prefill side
+    itl_seconds: float = 0.0  # recent mean inter-token latency, decode side
+    tokens_per_second: float = 0.0
+    spec_acceptance_rate: float = 0.0
+    stale_after_s: float = 3.0
