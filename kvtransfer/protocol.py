@@ -131,3 +131,90 @@ class LoadReport(Message):
     tokens_per_second: float = 0.0
     spec_acceptance_rate: float = 0.0
     stale_after_s: float = 3.0
+
+
+# --- the request path -------------------------------------------------------------------------
+
+from pdserve.kvtransfer.layout import KVLayout  # noqa: E402
+from pdserve.sampling import SamplingParams  # noqa: E402
+
+FailurePolicy = Literal["recompute", "fail"]
+
+
+class PrefillRequest(Message):
+    """front → prefill (queue group): run this prompt, then hand the KV to `decode_worker_id`."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    seed: int  # resolved by the front, so every worker samples the same stream
+    decode_worker_id: str
+    failure_policy: FailurePolicy = "recompute"
+    spec: dict | None = None  # speculation overrides for this request (method, max_k, enabled)
+
+
+class Ack(Message):
+    accepted: bool
+    worker_id: str
+    error: str | None = None
+
+
+class HandoffOffer(Message):
+    """prefill → decode: a request's KV is ready; fenced by sender identity, generation and layout."""
+
+    request_id: str
+    sender_id: str
+    sender_generation: int
+    layout: KVLayout
+    num_tokens: int
+    kv_bytes: int
+    prompt_token_ids: list[int]
+    generated_token_ids: list[int]  # what prefill already produced (the first token)
+    sampling: SamplingParams
+    seed: int
+    next_seq: int  # sequence number of the next StreamEvent
+    failure_policy: FailurePolicy = "recompute"
+    spec: dict | None = None
+
+
+class HandoffReply(Message):
+    accepted: bool
+    worker_id: str
+    transfer_token: str | None = None
+    data_addr: str | None = None
+    error: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+
+class StreamEvent(Message):
+    """workers → front on `stream.{request_id}`, in `seq` order.
+
+    kind: "token" (text delta + ids), "handoff" (responsibility moves to decode; KV stats),
+    "done" (finish_reason + usage), "error" (message, type, http status).
+    """
+
+    request_id: str
+    seq: int
+    kind: Literal["token", "handoff", "done", "error"]
+    worker_id: str
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    error_type: str | None = None
+    status: int | None = None
+    kv_bytes: int | None = None
+    kv_seconds: float | None = None
+
+
+class Cancel(Message):
+    request_id: str
+    reason: str = "client went away"

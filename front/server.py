@@ -1,0 +1,414 @@
+"""The OpenAI-compatible HTTP front: validate, tokenise, route to prefill/decode over NATS, stream back.
+
+Routing: the decode worker is chosen here (most free room in the registry); prefill is picked
+by NATS's queue group. The front follows each request through its stream of events, always
+knowing which worker is responsible for it (prefill until the handoff, decode after), and
+fails the request — with an OpenAI-style error, or an error event on an SSE stream — when that
+worker dies or goes silent past a bound. It never answers 200 with a truncated result.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+import uuid
+from collections import Counter as PyCounter
+
+import nats
+import nats.errors
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import ValidationError
+from transformers import AutoTokenizer
+
+from pdserve.front.openai_schema import ChatCompletionRequest, CompletionRequest
+from pdserve.kvtransfer.protocol import (
+    Ack, Cancel, PrefillRequest, ProtocolError, StreamEvent, Subjects,
+)
+from pdserve.natsserver import NatsCredentials
+from pdserve.sampling import SamplingParams
+
+log = logging.getLogger("pdserve.front")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class RequestFailed(Exception):
+    def __init__(self, status: int, message: str, type_: str = "server_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+    return web.json_response(error_body(message, type_, param, code), status=status)
+
+
+class Front:
+    def __init__(self, args: argparse.Namespace):
+        from pdserve.front.registry import WorkerRegistry
+        from pdserve.modelstore import resolve_model
+
+        self.args = args
+        model_dir = resolve_model(args.model)
+        self.model_name = args.served_model_name or model_dir.name
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        cfg = json.loads((model_dir / "config.json").read_text())
+        self.max_context = int(cfg.get("max_position_embeddings", 2048))
+        self.creds = NatsCredentials.from_env(args.nats_url)
+        self.api_key = os.environ.get("PDSERVE_API_KEY") or None
+        self.registry = WorkerRegistry()
+        self.nc: nats.NATS | None = None
+        self.inflight: PyCounter[str] = PyCounter()  # decode worker id -> requests this front sent it
+        self.created = int(time.time())
+        r = self.metrics = CollectorRegistry()
+        self.m_requests = Counter("pdserve_requests_total", "HTTP requests", ["endpoint", "status"], registry=r)
+        self.m_ttft = Histogram("pdserve_time_to_first_token_seconds", "time to first token", registry=r,
+                                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
+        self.m_itl = Histogram("pdserve_inter_token_latency_seconds", "time between streamed tokens", registry=r,
+                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2))
+        self.m_e2e = Histogram("pdserve_request_duration_seconds", "request latency", registry=r,
+                               buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        self.m_queue = Gauge("pdserve_queue_depth", "requests in flight at this front", registry=r)
+        self.m_kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes moved prefill -> decode", registry=r)
+        self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV transfer time", registry=r,
+                                      buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+        self.m_prompt_tokens = Counter("pdserve_prompt_tokens_total", "prompt tokens", registry=r)
+        self.m_completion_tokens = Counter("pdserve_completion_tokens_total", "generated tokens", registry=r)
+
+    # -- app -------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors_mw], client_max_size=16 << 20)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app) -> None:
+        self.nc = await nats.connect(**self.creds.connect_kwargs(), name="pdserve-front",
+                                     max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        await self.registry.attach(self.nc)
+
+    async def _cleanup(self, app) -> None:
+        if self.nc:
+            await self.nc.drain()
+
+    @web.middleware
+    async def _errors_mw(self, request: web.Request, handler):
+        if request.path.startswith("/v1/") and self.api_key:
+            got = request.headers.get("Authorization", "")
+            if not secrets.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+                return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status >= 400 and request.path.startswith("/v1/"):
+                return error_response(e.status, e.reason, "invalid_request_error")
+            raise
+
+    # -- simple endpoints -------------------------------------------------------------------
+
+    async def health(self, request):
+        body = {"status": "ok", "nats": bool(self.nc and self.nc.is_connected),
+                "prefill_workers": len(self.registry.alive("prefill", self.model_name)),
+                "decode_workers": len(self.registry.alive("decode", self.model_name))}
+        return web.json_response(body, status=200 if body["nats"] else 503)
+
+    async def ready(self, request):
+        ok = bool(self.nc and self.nc.is_connected) and self.registry.alive("prefill", self.model_name) \
+            and self.registry.alive("decode", self.model_name)
+        return web.json_response({"ready": bool(ok)}, status=200 if ok else 503)
+
+    async def metrics_handler(self, request):
+        self.m_queue.set(sum(self.inflight.values()))
+        return web.Response(body=generate_latest(self.metrics), content_type="text/plain", charset="utf-8")
+
+    async def models(self, request):
+        # The configured model stays advertised even while its pools are scaled to zero.
+        data = [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve"}]
+        return web.json_response({"object": "list", "data": data})
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def _parse(self, request: web.Request, schema):
+        try:
+            raw = await request.read()
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestFailed(400, f"request body is not valid JSON: {e}", "invalid_request_error")
+        if not isinstance(body, dict):
+            raise RequestFailed(400, "request body must be a JSON object", "invalid_request_error")
+        try:
+            req = schema.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or None
+            raise RequestFailed(400, f"{where}: {first['msg']}" if where else first["msg"], "invalid_request_error",
+                                code=where)
+        if req.model != self.model_name:
+            raise RequestFailed(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                                "invalid_request_error", code="model_not_found")
+        return req
+
+    def _sampling(self, req, prompt_len: int, default_max: int | None) -> SamplingParams:
+        room = self.max_context - prompt_len
+        if room < 1:
+            raise RequestFailed(400, f"prompt is {prompt_len} tokens; the model's context is {self.max_context}",
+                                "invalid_request_error", code="context_length_exceeded")
+        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max or room
+        if max_tokens > room:
+            raise RequestFailed(400, f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceeds the model's "
+                                     f"context of {self.max_context}", "invalid_request_error",
+                                code="context_length_exceeded")
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                              seed=req.seed, stop=req.stop or [], ignore_eos=req.ignore_eos)
+
+    async def completions(self, request):
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request):
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: web.Request, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        try:
+            req = await self._parse(request, ChatCompletionRequest if chat else CompletionRequest)
+            if chat:
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            elif isinstance(req.prompt, list):
+                if any(not (0 <= t < len(self.tokenizer)) for t in req.prompt):
+                    raise RequestFailed(400, "prompt token ids out of the vocabulary", "invalid_request_error")
+                prompt_ids = list(req.prompt)
+            else:
+                prompt_ids = self.tokenizer.encode(req.prompt, add_special_tokens=False)
+            params = self._sampling(req, len(prompt_ids), None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
+        except RequestFailed as e:
+            self.m_requests.labels(endpoint, str(e.status)).inc()
+            return error_response(e.status, e.message, e.type, code=e.code)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        gen = Generation(self, rid, prompt_ids, params, req)
+        if req.stream:
+            return await self._stream(request, gen, chat, endpoint)
+        return await self._unary(gen, chat, endpoint)
+
+    def _usage(self, gen: "Generation") -> dict:
+        u = {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": gen.completion_tokens,
+             "total_tokens": len(gen.prompt_ids) + gen.completion_tokens}
+        if gen.usage and gen.usage.spec_draft_tokens:
+            u["speculation"] = {"draft_tokens": gen.usage.spec_draft_tokens,
+                                "accepted_tokens": gen.usage.spec_accepted_tokens}
+        return u
+
+    async def _unary(self, gen: "Generation", chat: bool, endpoint: str):
+        parts = []
+        try:
+            async for delta in gen.run():
+                parts.append(delta)
+        except RequestFailed as e:
+            self.m_requests.labels(endpoint, str(e.status)).inc()
+            return error_response(e.status, e.message, e.type, code=e.code)
+        self.m_requests.labels(endpoint, "200").inc()
+        text = "".join(parts)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": gen.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": gen.finish_reason, "logprobs": None}
+        return web.json_response({
+            "id": gen.rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": [choice], "usage": self._usage(gen),
+        })
+
+    async def _stream(self, request: web.Request, gen: "Generation", chat: bool, endpoint: str):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None, role: bool = False) -> bytes:
+            if chat:
+                d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
+                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            body = {"id": gen.rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+            return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+        started = False
+        try:
+            async for delta in gen.run():
+                if not started:
+                    await resp.prepare(request)
+                    started = True
+                    if chat:
+                        await resp.write(chunk(None, None, role=True))
+                if delta:
+                    await resp.write(chunk(delta, None))
+            if not started:
+                await resp.prepare(request)
+            await resp.write(chunk(None if chat else "", gen.finish_reason))
+            if gen.req.stream_options and gen.req.stream_options.include_usage:
+                body = {"id": gen.rid, "object": obj, "created": created, "model": self.model_name,
+                        "choices": [], "usage": self._usage(gen)}
+                await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            self.m_requests.labels(endpoint, "200").inc()
+        except RequestFailed as e:
+            self.m_requests.labels(endpoint, str(e.status)).inc()
+            if not started:  # nothing sent yet: a plain HTTP error is the clearest answer
+                return error_response(e.status, e.message, e.type, code=e.code)
+            # mid-stream: an error event, and no [DONE]
+            await resp.write(b"data: " + json.dumps(error_body(e.message, e.type, code=e.code)).encode() + b"\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            await gen.cancel("client went away")
+            raise
+        await resp.write_eof()
+        return resp
+
+
+class Generation:
+    """One request's life at the front: dispatch, then follow its events to the end."""
+
+    def __init__(self, front: Front, rid: str, prompt_ids: list[int], params: SamplingParams, req):
+        self.front, self.rid, self.prompt_ids, self.params, self.req = front, rid, prompt_ids, params, req
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.usage = None
+        self._sub = None
+
+    async def cancel(self, reason: str) -> None:
+        try:
+            await self.front.nc.publish(Subjects.cancel(self.rid), Cancel(request_id=self.rid, reason=reason).encode())
+        except Exception:
+            pass
+
+    async def run(self):
+        """Yield text deltas; raise RequestFailed on any failure."""
+        f, a = self.front, self.front.args
+        t0 = time.monotonic()
+        decode = f.registry.pick_decode(f.model_name)
+        if decode is None or not f.registry.alive("prefill", f.model_name):
+            raise RequestFailed(503, f"no {'decode' if decode is None else 'prefill'} worker is available for "
+                                     f"{f.model_name}; retry later", "unavailable", code="no_worker")
+        # Account for what this front already sent, which the 1 Hz load reports may not show yet.
+        decode = min(f.registry.alive("decode", f.model_name),
+                     key=lambda r: (max(f.inflight[r.worker_id], r.running + r.waiting), r.kv_utilization, r.worker_id))
+        spec = self.req.speculation.model_dump(exclude_none=True) if self.req.speculation else None
+        preq = PrefillRequest(request_id=self.rid, model=f.model_name, prompt_token_ids=self.prompt_ids,
+                              sampling=self.params, seed=self.params.seed if self.params.seed is not None
+                              else secrets.randbits(63), decode_worker_id=decode.worker_id,
+                              failure_policy=a.kv_failure_policy, spec=spec)
+        f.inflight[decode.worker_id] += 1
+        f.m_prompt_tokens.inc(len(self.prompt_ids))
+        sub = await f.nc.subscribe(Subjects.stream(self.rid))
+        finished = False
+        try:
+            try:
+                msg = await f.nc.request(Subjects.prefill(f.model_name), preq.encode(), timeout=a.dispatch_timeout)
+                ack = Ack.decode(msg.data)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                raise RequestFailed(503, f"no prefill worker accepted the request within {a.dispatch_timeout:.0f} s",
+                                    "unavailable", code="no_worker")
+            if not ack.accepted:
+                raise RequestFailed(500, f"prefill worker {ack.worker_id} refused the request: {ack.error}")
+            responsible = ("prefill", ack.worker_id)
+            pending: dict[int, StreamEvent] = {}
+            next_seq = 0
+            last_event = time.monotonic()
+            first_token_at = None
+            last_token_at = None
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=0.25)
+                except nats.errors.TimeoutError:
+                    now = time.monotonic()
+                    if not f.registry.is_alive(*responsible):
+                        raise RequestFailed(502, f"{responsible[0]} worker {responsible[1]} died while serving "
+                                                 f"the request", "worker_lost", code="worker_lost")
+                    bound = a.first_token_timeout if first_token_at is None else a.token_timeout
+                    if now - last_event > bound:
+                        raise RequestFailed(504, f"no progress from {responsible[0]} worker {responsible[1]} "
+                                                 f"for {bound:.0f} s", "timeout", code="timeout")
+                    continue
+                try:
+                    ev = StreamEvent.decode(msg.data)
+                except ProtocolError as e:
+                    raise RequestFailed(502, f"bad event from a worker: {e}", "server_error")
+                last_event = time.monotonic()
+                pending[ev.seq] = ev
+                while next_seq in pending:
+                    ev = pending.pop(next_seq)
+                    next_seq += 1
+                    if ev.kind == "error":
+                        raise RequestFailed(ev.status or 500, ev.error or "worker error", ev.error_type or "server_error",
+                                            code=ev.error_type)
+                    if ev.kind == "handoff":
+                        responsible = ("decode", ev.worker_id)
+                        if ev.kv_bytes:
+                            f.m_kv_bytes.inc(ev.kv_bytes)
+                            f.m_kv_seconds.observe(ev.kv_seconds or 0.0)
+                        continue
+                    if ev.kind == "token":
+                        now = time.monotonic()
+                        if first_token_at is None:
+                            first_token_at = now
+                            f.m_ttft.observe(now - t0)
+                        else:
+                            f.m_itl.observe(now - last_token_at)
+                        last_token_at = now
+                        self.completion_tokens += len(ev.token_ids)
+                        if ev.text:
+                            yield ev.text
+                        continue
+                    if ev.kind == "done":
+                        self.finish_reason = ev.finish_reason or "stop"
+                        self.usage = ev.usage
+                        finished = True
+                        f.m_completion_tokens.inc(self.completion_tokens)
+                        f.m_e2e.observe(time.monotonic() - t0)
+                        return
+                if len(pending) > 4096:
+                    raise RequestFailed(502, f"event stream lost event {next_seq}", "server_error")
+        finally:
+            f.inflight[decode.worker_id] -= 1
+            if f.inflight[decode.worker_id] <= 0:
+                del f.inflight[decode.worker_id]
+            if not finished:
+                await self.cancel("request ended early")
+            await sub.unsubscribe()
+
+
+def main(argv: list[str]) -> int:
+    from pdserve.workerbase import setup_logging
+
+    p = argparse.ArgumentParser(prog="pdserve front")
+    p.add_argument("--model", default="default")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--nats-url", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dispatch-timeout", type=float, default=5.0, help="seconds for a prefill worker to accept")
+    p.add_argument("--first-token-timeout", type=float, default=300.0, help="seconds of silence allowed before the first token")
+    p.add_argument("--token-timeout", type=float, default=60.0, help="seconds of silence allowed between tokens")
+    p.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"])
+    p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    args = p.parse_args(argv)
+    setup_logging(args.log_level)
+    front = Front(args)
+    log.info("front serving %s on http://%s:%d (NATS %s)", front.model_name, args.host, args.port, front.creds.url)
+    web.run_app(front.app(), host=args.host, port=args.port, print=None, access_log=None)
+    return 0

@@ -1,0 +1,134 @@
+"""Sampling parameters and the per-request token → text stream (incremental detokenisation, stop strings).
+
+Sampling is deterministic per (seed, position): the random draw for generated token i comes
+from a generator seeded with (seed, i), so a request gives the same text whichever worker —
+prefill for the first token, decode for the rest — draws it.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 8
+
+
+class SamplingParams(BaseModel):
+    """What a request asks of generation. Validated at the edge (the front) and again by workers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # 0 = off
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: list[str]) -> list[str]:
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _position_generator(seed: int, position: int) -> torch.Generator:
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits `[vocab]` → probabilities after temperature → top-k → top-p (ties at a threshold kept)."""
+    x = logits.float() / params.temperature
+    if 0 < params.top_k < x.numel():
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, _ = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, 0)
+        # the smallest set of most-probable tokens whose mass reaches top_p; its last member is the threshold
+        cut = int(torch.searchsorted(cum, torch.tensor(params.top_p, dtype=cum.dtype)).clamp(max=cum.numel() - 1))
+        threshold = sorted_p[cut]
+        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, position: int, seed: int) -> int:
+    """Pick generated token number `position` (0-based) from logits `[vocab]`."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = process_logits(logits, params)
+    return int(torch.multinomial(probs, 1, generator=_position_generator(seed, position)))
+
+
+class TextStream:
+    """Generated token ids → text deltas, with stop strings and stop tokens.
+
+    Text that could still become a stop string, or that ends in an incomplete UTF-8 sequence,
+    is held back until it is known not to be.
+    """
+
+    def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: set[int], generated: list[int] | None = None):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.eos = set() if params.ignore_eos else set(eos_token_ids)
+        self.tokens: list[int] = []
+        self.emitted = ""
+        self.finish_reason: str | None = None
+        for t in generated or []:  # resume (decode continuing after prefill's first token)
+            self.push(t)
+
+    def push(self, token: int) -> str:
+        """Add one generated token; return the text that can be shown now. Sets finish_reason when done."""
+        if self.finish_reason:
+            raise RuntimeError("push after finish")
+        if token in self.eos:
+            self.tokens.append(token)
+            self.finish_reason = "stop"
+            return self._flush(self._text(exclude_last=True))
+        self.tokens.append(token)
+        text = self._text()
+        for s in self.params.stop:
+            idx = text.find(s, max(0, len(self.emitted) - len(s)))
+            if idx != -1:
+                self.finish_reason = "stop"
+                return self._flush(text[:idx])
+        if len(self.tokens) >= self.params.max_tokens:
+            self.finish_reason = "length"
+            return self._flush(text)
+        safe = len(text.rstrip("\ufffd"))
+        hold = 0
+        for s in self.params.stop:  # hold back a tail that is a prefix of a stop string
+            for n in range(min(len(s) - 1, safe), 0, -1):
+                if text[safe - n : safe] == s[:n]:
+                    hold = max(hold, n)
+                    break
+        safe -= hold
+        return self._flush(text[:safe])
+
+    def _text(self, exclude_last: bool = False) -> str:
+        ids = self.tokens[:-1] if exclude_last else self.tokens
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _flush(self, text: str) -> str:
+        if not text.startswith(self.emitted):
+            # a re-tokenisation changed earlier text (rare); emit nothing until it settles
+            return ""
+        delta = text[len(self.emitted) :]
+        self.emitted = text
+        return delta
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
