@@ -1,0 +1,226 @@
+"""Quick probe: plain greedy vs greedy speculative decoding (n-gram drafts, adaptive k) on the
+real model, per workload — tokens/s, acceptance, ratio, and a token-for-token equality check.
+
+Both loops are written here on purpose (model forward + DynamicCache, batch 1): the probe
+measures the speculation policy, not a serving stack. Prefill is excluded from the timings
+(it is the same work in both); one torch thread (on these 2-core machines two threads made
+small matmuls slower under load).
+
+    python bench/spec_probe.py                       # all workloads, all prompts
+    python bench/spec_probe.py --workloads code_edit --limit 2 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` from a checkout
+
+from bench.workloads import get_workloads  # noqa: E402
+from pdserve.decode.drafters import Drafter, NgramDrafter, crop_cache  # noqa: E402
+from pdserve.decode.speculation import SpanTracker, SpeculationController  # noqa: E402
+
+
+@dataclass
+class RunResult:
+    tokens: list[int]
+    decode_seconds: float  # wall time after the prefill step
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    chosen_k: list[int] = field(default_factory=list)
+
+    @property
+    def decode_tokens(self) -> int:  # tokens produced after the prefill's first token
+        return max(len(self.tokens) - 1, 0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def _truncate_at_eos(tokens: list[int], eos_ids: set[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+@torch.inference_mode()
+def plain_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
+                 controller: SpeculationController | None = None) -> RunResult:
+    """One token per target forward. Feeds k = 0 step costs to ``controller`` if given."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1).logits
+    out = [int(logits[0, -1].argmax())]
+    t0 = time.perf_counter()
+    while len(out) < max_new_tokens and out[-1] not in eos_ids:
+        ts = time.perf_counter()
+        logits = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits
+        out.append(int(logits[0, -1].argmax()))
+        if controller is not None:
+            controller.observe_verify(1, 1, time.perf_counter() - ts)
+    return RunResult(out, time.perf_counter() - t0, steps=len(out) - 1)
+
+
+@torch.inference_mode()
+def speculative_greedy(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
+                       drafter: Drafter, controller: SpeculationController, request_id: str,
+                       max_k: int = 8) -> RunResult:
+    """Greedy speculative decoding: draft k tokens, one target forward over k + 1, accept the
+    longest prefix the target's argmax agrees with, plus the target's own next token; the
+    target cache is cropped back over the rejected positions."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1).logits
+    out = [int(logits[0, -1].argmax())]
+    span = SpanTracker().feed(tokenizer.decode(out))
+    res = RunResult(out, 0.0)
+    loop = asyncio.new_event_loop()
+    t0 = time.perf_counter()
+    try:
+        while len(out) < max_new_tokens and out[-1] not in eos_ids:
+            kind = span.kind
+            k = controller.choose_k(request_id, kind, 1, min(max_k, max_new_tokens - len(out) - 1))
+            ts = time.perf_counter()
+            draft = loop.run_until_complete(drafter.propose(request_id, prompt_ids + out, k)) if k > 0 else None
+            td = time.perf_counter() - ts
+            proposal = draft.token_ids[:k] if draft is not None else []
+            if k > 0:
+                controller.observe_draft(k, td)
+            ts = time.perf_counter()
+            base = cache.get_seq_length()
+            logits = model(input_ids=torch.tensor([[out[-1]] + proposal]), past_key_values=cache,
+                           use_cache=True).logits[0]
+            preds = logits.argmax(dim=-1).tolist()  # preds[i]: the target's token after proposal[:i]
+            accepted = 0
+            while accepted < len(proposal) and proposal[accepted] == preds[accepted]:
+                accepted += 1
+            crop_cache(cache, base + 1 + accepted)
+            controller.observe_verify(1, len(proposal) + 1, time.perf_counter() - ts)
+            new = proposal[:accepted] + [preds[accepted]]
+            new, _ = _truncate_at_eos(new[: max_new_tokens - len(out)], eos_ids)
+            drafter.feedback(request_id, accepted, new)
+            controller.observe_step(request_id, kind, len(proposal), accepted)
+            out.extend(new)
+            span.feed(tokenizer.decode(new))
+            res.steps += 1
+            res.drafted += len(proposal)
+            res.accepted += accepted
+            res.chosen_k.append(k)
+    finally:
+        loop.close()
+        drafter.release(request_id)
+        controller.release(request_id)
+    res.tokens = out
+    res.decode_seconds = time.perf_counter() - t0
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", default=None, help="checkpoint folder (default: the converted SmolLM2)")
+    ap.add_argument("--workloads", nargs="*", default=None)
+    ap.add_argument("--limit", type=int, default=0, help="prompts per workload (0 = all)")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="override each prompt's max_new_tokens")
+    ap.add_argument("--max-k", type=int, default=8)
+    ap.add_argument("--min-n", type=int, default=2)
+    ap.add_argument("--max-n", type=int, default=6)
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.model_dir is None:
+        from pdserve.modelstore import ensure_default_model
+
+        args.model_dir = str(ensure_default_model())
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+    eos_ids = {tok.eos_token_id} | {tok.convert_tokens_to_ids("<|im_end|>")}
+    eos_ids.discard(None)
+
+    controller = SpeculationController(method="ngram")
+    drafter = NgramDrafter(min_n=args.min_n, max_n=args.max_n)
+    # calibrate the latency model a little so the first request does not run on priors alone
+    warm = tok("Hello there, how are you today?")["input_ids"]
+    plain_greedy(model, warm, 8, eos_ids, controller)
+
+    rows, all_ok = [], True
+    print(f"{'workload':<12} {'prompt':<8} {'new':>4} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
+          f"{'accept':>6} {'tok/step':>8} {'same':>5}", flush=True)
+    for wl in get_workloads(args.workloads):
+        prompts = wl.prompts[: args.limit] if args.limit else wl.prompts
+        agg = {"plain_tokens": 0, "plain_s": 0.0, "spec_tokens": 0, "spec_s": 0.0, "drafted": 0,
+               "accepted": 0, "steps": 0, "mismatches": 0}
+        for p in prompts:
+            ids = tok(p.render(tok), add_special_tokens=False)["input_ids"]
+            max_new = args.max_new_tokens or p.max_new_tokens
+            plain = plain_greedy(model, ids, max_new, eos_ids, controller)
+            spec = speculative_greedy(model, tok, ids, max_new, eos_ids, drafter, controller,
+                                      f"{wl.name}/{p.name}", max_k=args.max_k)
+            same = spec.tokens == plain.tokens
+            all_ok &= same
+            agg["plain_tokens"] += plain.decode_tokens
+            agg["plain_s"] += plain.decode_seconds
+            agg["spec_tokens"] += spec.decode_tokens
+            agg["spec_s"] += spec.decode_seconds
+            agg["drafted"] += spec.drafted
+            agg["accepted"] += spec.accepted
+            agg["steps"] += spec.steps
+            agg["mismatches"] += int(not same)
+            acc = spec.accepted / spec.drafted if spec.drafted else 0.0
+            ratio = spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else 0.0
+            tps = spec.decode_tokens / spec.steps if spec.steps else 0.0
+            print(f"{wl.name:<12} {p.name:<8} {len(plain.tokens):>4} {plain.tokens_per_second:>11.1f} "
+                  f"{spec.tokens_per_second:>10.1f} {ratio:>6.2f} {acc:>6.2f} {tps:>8.2f} {str(same):>5}", flush=True)
+            if args.verbose:
+                print("   k:", spec.chosen_k)
+                print("   text:", repr(tok.decode(plain.tokens))[:300])
+            rows.append({"workload": wl.name, "prompt": p.name, "prompt_tokens": len(ids),
+                         "new_tokens": len(plain.tokens), "plain_tps": plain.tokens_per_second,
+                         "spec_tps": spec.tokens_per_second, "ratio": ratio, "acceptance": acc,
+                         "tokens_per_step": tps, "same": same, "chosen_k": spec.chosen_k})
+        p_tps = agg["plain_tokens"] / agg["plain_s"] if agg["plain_s"] else 0.0
+        s_tps = agg["spec_tokens"] / agg["spec_s"] if agg["spec_s"] else 0.0
+        acc = agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0
+        ratio = s_tps / p_tps if p_tps else 0.0
+        tps = agg["spec_tokens"] / agg["steps"] if agg["steps"] else 0.0
+        verdict = "ok" if ratio >= wl.target_speedup else "BELOW"
+        print(f"{wl.name:<12} {'ALL':<8} {agg['plain_tokens']:>4} {p_tps:>11.1f} {s_tps:>10.1f} {ratio:>6.2f} "
+              f"{acc:>6.2f} {tps:>8.2f} {str(agg['mismatches'] == 0):>5}   target {wl.target_speedup:.2f}x: {verdict}",
+              flush=True)
+        rows.append({"workload": wl.name, "prompt": "ALL", "plain_tps": p_tps, "spec_tps": s_tps, "ratio": ratio,
+                     "acceptance": acc, "tokens_per_step": tps, "mismatches": agg["mismatches"],
+                     "target": wl.target_speedup})
+    a, b = controller.latency.verify_coefficients()
+    print(f"latency fit: verify ≈ {1000 * a:.1f} ms + {1000 * b:.2f} ms/token; stats: {controller.stats.snapshot()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "stats": controller.stats.snapshot(),
+                                               "verify_fit_seconds": [a, b]}, indent=2, default=str))
+    if not all_ok:
+        print("MISMATCH: speculative output differed from plain greedy", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
