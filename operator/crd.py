@@ -1,0 +1,231 @@
+"""The InferenceService CRD (pdserve.io/v1alpha1), written once here as Python data.
+
+The chart's `charts/pdserve/crds/inferenceservices.yaml` is generated from this module
+(`python -m pdserve.operator.crd > charts/pdserve/crds/inferenceservices.yaml`; a test checks
+they agree), and `apply_defaults` fills the schema's `default:` values the same way the API
+server does, so the pure reconciler sees the same spec in unit tests as in a cluster.
+
+Field rules (types, enums, minimums, required fields, no unknown fields) live in the schema;
+cross-field rules live in `validation.py` (v1.20 has no CEL).
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+GROUP = "pdserve.io"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SHORT_NAMES = ["pdis"]  # KServe uses `isvc`; ours must not collide when both are installed.
+
+KV_DTYPES = ["float16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2"]
+COMPRESSIONS = ["none", "int8", "fp8"]
+DEFAULT_PREFILL_METRIC = "pdserve_prefill_queue_depth"
+DEFAULT_DECODE_METRIC = "pdserve_decode_kv_utilization"
+
+
+def _s(**kw) -> dict:
+    return {"type": "string", **kw}
+
+
+def _i(minimum: int | None = None, **kw) -> dict:
+    d: dict[str, Any] = {"type": "integer", **kw}
+    if minimum is not None:
+        d["minimum"] = minimum
+    return d
+
+
+def _obj(props: dict, required: list[str] | None = None, **kw) -> dict:
+    d: dict[str, Any] = {"type": "object", "properties": props, **kw}
+    if required:
+        d["required"] = required
+    return d
+
+
+_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+_FREE_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+_SECRET_KEY_REF = _obj({"name": _s(minLength=1), "key": _s(minLength=1)}, ["name", "key"])
+
+
+def _pool(default_metric: str, default_target: str, data_port: int) -> dict:
+    return _obj({
+        "replicas": _i(0, default=1, description="Replicas when autoscaling is disabled."),
+        "gpus": _i(0, default=1, description="nvidia.com/gpu per pod (set in limits)."),
+        "resources": _obj({
+            "requests": {"type": "object", "additionalProperties": _QUANTITY},
+            "limits": {"type": "object", "additionalProperties": _QUANTITY},
+        }, description="CPU/memory (and other) requests and limits; nvidia.com/gpu comes from `gpus`."),
+        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+        "tolerations": {"type": "array", "items": _obj({
+            "key": _s(), "operator": _s(enum=["Exists", "Equal"]), "value": _s(),
+            "effect": _s(enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
+            "tolerationSeconds": _i(),
+        })},
+        "podTemplate": _obj({
+            "metadata": _obj({
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+            }),
+            "spec": {**_FREE_OBJECT, "description": "Merged over the generated PodSpec (e.g. affinity, "
+                     "priorityClassName, volumes); containers are merged by name."},
+        }, description="Pod template overrides."),
+        "kv": _obj({
+            "dtype": _s(enum=KV_DTYPES, default="bfloat16", description="KV cache element type."),
+            "blockSize": _i(1, maximum=1024, default=16, description="Tokens per KV block."),
+            "compressions": {"type": "array", "items": _s(enum=COMPRESSIONS),
+                             "default": list(COMPRESSIONS),
+                             "description": "Transfer compressions this pool can encode/decode."},
+        }, default={}),
+        "dataPort": _i(1, maximum=65535, default=data_port),
+        "autoscaling": _obj({
+            "enabled": {"type": "boolean", "default": True},
+            "minReplicas": _i(1, default=1),
+            "maxReplicas": _i(1, default=4),
+            "metric": _obj({
+                "name": _s(minLength=1, default=default_metric),
+                "targetAverageValue": {**_QUANTITY, "default": default_target,
+                                       "description": "Per-pod average the HPA aims for."},
+            }, default={}),
+            "scaleDownStabilizationSeconds": _i(0, maximum=3600, default=300),
+        }, default={}),
+        "disruptionBudget": _obj({"maxUnavailable": _i(0, default=1)}, default={}),
+    }, default={})
+
+
+SPEC_SCHEMA = _obj({
+    "model": _obj({
+        "name": _s(description="Served model name (OpenAI `model`); defaults to the object name."),
+        "path": _s(minLength=1, description="Path under /models in the pod."),
+        "pvc": _s(description="PersistentVolumeClaim holding /models (read-only)."),
+        "image": _s(description="Image holding the model under /models; copied into an emptyDir at start."),
+        "tokenizer": _s(description="Tokenizer identity; a draft model must declare the same one."),
+    }, ["path"]),
+    "image": _s(description="Worker image; defaults to the operator's configured image."),
+    "imagePullPolicy": _s(enum=["Always", "IfNotPresent", "Never"], default="IfNotPresent"),
+    "prefill": _pool(DEFAULT_PREFILL_METRIC, "4", 7100),
+    "decode": _pool(DEFAULT_DECODE_METRIC, "800m", 7200),
+    "front": _obj({
+        "replicas": _i(1, default=1),
+        "resources": _obj({
+            "requests": {"type": "object", "additionalProperties": _QUANTITY},
+            "limits": {"type": "object", "additionalProperties": _QUANTITY},
+        }),
+    }, default={}),
+    "speculation": _obj({
+        "method": _s(enum=["ngram", "draft", "none"], default="ngram"),
+        "maxK": _i(1, maximum=64, default=8),
+        "draft": _obj({"path": _s(minLength=1), "tokenizer": _s()}, ["path"]),
+    }, default={}),
+    "kvTransfer": _obj({
+        "transport": _s(enum=["tcp", "shm", "nats"], default="tcp"),
+        "compression": _s(enum=COMPRESSIONS, default="none"),
+        "timeoutSeconds": {"type": "number", "minimum": 0.1, "maximum": 600, "default": 10},
+        "failurePolicy": _s(enum=["recompute", "fail"], default="recompute"),
+    }, default={}),
+    "nats": _obj({
+        "url": _s(description="External NATS URL; default: the chart's in-cluster NATS."),
+        "credentialsSecret": _obj({
+            "name": _s(minLength=1),
+            "userKey": _s(default="user"),
+            "passwordKey": _s(default="password"),
+        }, ["name"]),
+    }, default={}),
+    "serving": _obj({
+        "port": _i(1, maximum=65535, default=8000),
+        "serviceType": _s(enum=["ClusterIP", "NodePort", "LoadBalancer"], default="ClusterIP"),
+        "apiKeySecret": _SECRET_KEY_REF,
+    }, default={}),
+    "autoscaling": _obj({
+        "prefillDecodeRatio": _obj({
+            "min": {"type": "number", "exclusiveMinimum": True, "minimum": 0},
+            "max": {"type": "number", "exclusiveMinimum": True, "minimum": 0},
+        }, description="Keep prefill:decode replicas within [min, max] by moving the prefill HPA's bounds."),
+    }, default={}),
+}, ["model"])
+
+_POOL_STATUS = _obj({
+    "desiredReplicas": _i(),
+    "readyReplicas": _i(),
+    "replicas": _s(description="ready/desired, for printing"),
+})
+
+STATUS_SCHEMA = _obj({
+    "observedGeneration": _i(),
+    "endpoint": _s(),
+    "prefill": _POOL_STATUS,
+    "decode": _POOL_STATUS,
+    "front": _POOL_STATUS,
+    "ready": _s(),
+    "conditions": {"type": "array", "items": _obj({
+        "type": _s(), "status": _s(enum=["True", "False", "Unknown"]), "reason": _s(), "message": _s(),
+        "lastTransitionTime": _s(format="date-time"), "observedGeneration": _i(),
+    }, ["type", "status"])},
+})
+# kopf records its own progress under status.kopf; keep it rather than pruning it.
+STATUS_SCHEMA["x-kubernetes-preserve-unknown-fields"] = True
+
+
+def crd() -> dict:
+    """The CustomResourceDefinition object (apiextensions.k8s.io/v1)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}", "labels": {"app.kubernetes.io/part-of": "pdserve"}},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL,
+                      "singular": "inferenceservice", "shortNames": SHORT_NAMES, "categories": ["pdserve"]},
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "Model", "type": "string", "jsonPath": ".spec.model.path"},
+                    {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.replicas",
+                     "description": "ready/desired prefill replicas"},
+                    {"name": "Decode", "type": "string", "jsonPath": ".status.decode.replicas",
+                     "description": "ready/desired decode replicas"},
+                    {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+                    {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {"openAPIV3Schema": _obj({
+                    "apiVersion": _s(), "kind": _s(), "metadata": {"type": "object"},
+                    "spec": SPEC_SCHEMA, "status": STATUS_SCHEMA,
+                }, ["spec"])},
+            }],
+        },
+    }
+
+
+def apply_defaults(obj: Any, schema: dict = SPEC_SCHEMA) -> Any:
+    """Return a copy of `obj` with the schema's defaults filled in, as the API server does
+    (a default applies where the field is absent; defaults of nested objects then recurse)."""
+    obj = copy.deepcopy(obj)
+    return _default(obj, schema)
+
+
+def _default(obj: Any, schema: dict) -> Any:
+    if isinstance(obj, dict) and "properties" in schema:
+        for key, sub in schema["properties"].items():
+            if key not in obj and "default" in sub:
+                obj[key] = copy.deepcopy(sub["default"])
+            if key in obj:
+                obj[key] = _default(obj[key], sub)
+    elif isinstance(obj, list) and "items" in schema:
+        return [_default(x, schema["items"]) for x in obj]
+    return obj
+
+
+def main(argv: list[str] | None = None) -> int:
+    import yaml
+
+    sys.stdout.write("# Generated by `python -m pdserve.operator.crd`; do not edit by hand.\n")
+    sys.stdout.write(yaml.safe_dump(crd(), sort_keys=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""The operator's pure parts, without a cluster: desired children, status, cross-field validation,
+the CRD schema defaults, and the chart's CRD file being generated from the Python one."""
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.operator import crd
+from pdserve.operator.reconcile import (OperatorConfig, compute_status, desired_children,
+                                        prefill_bounds_for_ratio)
+from pdserve.operator.validation import validate_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def isvc(spec: dict | None = None, name: str = "llama", ns: str = "ml") -> dict:
+    base = {"model": {"path": "llama-3-8b", "pvc": "models"}}
+    base.update(spec or {})
+    return {"apiVersion": "pdserve.io/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": ns, "uid": "uid-1", "generation": 3}, "spec": base}
+
+
+CFG = OperatorConfig(image="ghcr.io/pdserve/pdserve:0.1.0", nats_url="nats://pdserve-nats.sys:4222",
+                     nats_credentials={"user": "pdserve", "password": "s3cret"},
+                     hpa_api_version="autoscaling/v2beta2", pdb_api_version="policy/v1beta1")
+
+
+def by_kind_name(children):
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
+def container(children, name):
+    return by_kind_name(children)[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_children_set_owner_refs_and_labels():
+    children = desired_children(isvc(), CFG)
+    keys = set(by_kind_name(children))
+    assert keys == {
+        ("Secret", "llama-nats"),
+        ("Deployment", "llama-prefill"), ("Deployment", "llama-decode"), ("Deployment", "llama-front"),
+        ("Service", "llama"), ("Service", "llama-decode"),
+        ("HorizontalPodAutoscaler", "llama-prefill"), ("HorizontalPodAutoscaler", "llama-decode"),
+        ("PodDisruptionBudget", "llama-prefill"), ("PodDisruptionBudget", "llama-decode"),
+    }
+    for c in children:
+        assert c["metadata"]["namespace"] == "ml"
+        [ref] = c["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "pdserve.io/v1alpha1", "kind": "InferenceService", "name": "llama",
+                       "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}
+        assert c["metadata"]["labels"]["app.kubernetes.io/instance"] == "llama"
+        assert c["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pdserve-operator"
+    hpa = by_kind_name(children)[("HorizontalPodAutoscaler", "llama-decode")]
+    assert hpa["apiVersion"] == "autoscaling/v2beta2"
+    assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {
+        "metric": {"name": "pdserve_decode_kv_utilization"},
+        "target": {"type": "AverageValue", "averageValue": "800m"}}}]
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+    prefill_hpa = by_kind_name(children)[("HorizontalPodAutoscaler", "llama-prefill")]
+    assert prefill_hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "pdserve_prefill_queue_depth"
+    assert by_kind_name(children)[("PodDisruptionBudget", "llama-decode")]["apiVersion"] == "policy/v1beta1"
+
+
+def test_worker_command_lines_env_and_gpus():
+    children = desired_children(isvc({"decode": {"gpus": 2}}), CFG)
+    p = container(children, "llama-prefill")
+    assert p["command"] == ["pdserve", "prefill", "--model", "/models/llama-3-8b", "--nats-url",
+                            "nats://pdserve-nats.sys:4222", "--data-port", "7100", "--metrics-port", "9100"]
+    d = container(children, "llama-decode")
+    assert d["command"] == ["pdserve", "decode", "--model", "/models/llama-3-8b", "--nats-url",
+                            "nats://pdserve-nats.sys:4222", "--data-port", "7200", "--metrics-port", "9100",
+                            "--spec-method", "ngram", "--spec-max-k", "8", "--kv-compression", "none"]
+    f = container(children, "llama-front")
+    assert f["command"] == ["pdserve", "front", "--model", "/models/llama-3-8b", "--nats-url",
+                            "nats://pdserve-nats.sys:4222", "--port", "8000"]
+    assert p["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert d["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert "nvidia.com/gpu" not in f["resources"].get("limits", {})
+    env = {e["name"]: e for e in d["env"]}
+    assert env["PDSERVE_POOL"]["value"] == "decode" and env["PDSERVE_ISVC"]["value"] == "llama"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["PDSERVE_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "llama-nats", "key": "password"}
+    # Secrets never appear in arguments or plain env values.
+    for c in (p, d, f):
+        flat = " ".join(c["command"]) + " ".join(str(e.get("value", "")) for e in c["env"])
+        assert "s3cret" not in flat
+    secret = by_kind_name(children)[("Secret", "llama-nats")]
+    assert base64.b64decode(secret["data"]["password"]).decode() == "s3cret"
+    pod = by_kind_name(children)[("Deployment", "llama-decode")]["spec"]["template"]["spec"]
+    assert pod["volumes"][0] == {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_api_key_external_nats_and_overrides():
+    spec = {
+        "serving": {"port": 9000, "apiKeySecret": {"name": "api", "key": "token"}},
+        "nats": {"url": "nats://ext:4222", "credentialsSecret": {"name": "ext-nats"}},
+        "speculation": {"method": "draft", "maxK": 4, "draft": {"path": "tiny", "tokenizer": "llama3"}},
+        "model": {"path": "big", "image": "registry/models:big", "tokenizer": "llama3"},
+        "prefill": {"nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                    "resources": {"requests": {"cpu": "4", "memory": "32Gi"}},
+                    "podTemplate": {"metadata": {"annotations": {"a": "b"}},
+                                    "spec": {"priorityClassName": "serving",
+                                             "containers": [{"name": "prefill", "workingDir": "/tmp"}]}}},
+    }
+    children = desired_children(isvc(spec), CFG)
+    kinds = by_kind_name(children)
+    assert ("Secret", "llama-nats") not in kinds  # user-named secret used as-is
+    f = container(children, "llama-front")
+    assert f["command"][-2:] == ["--port", "9000"]
+    assert "--nats-url" in f["command"] and "nats://ext:4222" in f["command"]
+    fenv = {e["name"]: e for e in f["env"]}
+    assert fenv["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "api", "key": "token"}
+    assert fenv["PDSERVE_NATS_USER"]["valueFrom"]["secretKeyRef"] == {"name": "ext-nats", "key": "user"}
+    d = container(children, "llama-decode")
+    assert d["command"][-8:] == ["--spec-method", "draft", "--spec-max-k", "4", "--kv-compression", "none",
+                                 "--draft-model", "/models/tiny"]
+    pre = kinds[("Deployment", "llama-prefill")]["spec"]["template"]
+    assert pre["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert pre["spec"]["priorityClassName"] == "serving"
+    assert pre["spec"]["containers"][0]["workingDir"] == "/tmp"
+    assert pre["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "4", "memory": "32Gi"}
+    assert pre["spec"]["initContainers"][0]["image"] == "registry/models:big"
+    assert pre["metadata"]["annotations"]["a"] == "b"
+    assert kinds[("Service", "llama")]["spec"]["ports"][0]["port"] == 9000
+
+
+def test_autoscaling_disabled_uses_replicas_and_drops_hpa():
+    children = desired_children(isvc({"decode": {"replicas": 3, "autoscaling": {"enabled": False}}}), CFG)
+    kinds = by_kind_name(children)
+    assert ("HorizontalPodAutoscaler", "llama-decode") not in kinds
+    assert kinds[("Deployment", "llama-decode")]["spec"]["replicas"] == 3
+
+
+@pytest.mark.parametrize("decode,ratio,expected", [
+    (4, {"min": 0.5, "max": 1.0}, (2, 4)),
+    (10, {"min": 0.5, "max": 1.0}, (5, 8)),    # clamped by the prefill pool's max of 8
+    (1, {"min": 2.0}, (2, 8)),
+    (3, {}, (1, 8)),
+    (8, {"min": 2.0, "max": 3.0}, (8, 8)),     # can't satisfy: bounds stay ordered
+])
+def test_ratio_bounds(decode, ratio, expected):
+    spec = crd.apply_defaults({"model": {"path": "m"}, "prefill": {"autoscaling": {"maxReplicas": 8}},
+                               "autoscaling": {"prefillDecodeRatio": ratio}})
+    assert prefill_bounds_for_ratio(spec, decode) == expected
+
+
+def test_ratio_bounds_reach_the_prefill_hpa():
+    body = isvc({"prefill": {"autoscaling": {"maxReplicas": 10}},
+                 "autoscaling": {"prefillDecodeRatio": {"min": 1.0, "max": 2.0}}})
+    hpa = by_kind_name(desired_children(body, CFG, observed={"decode": 3}))[("HorizontalPodAutoscaler", "llama-prefill")]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 6)
+
+
+def _dep(replicas, ready, gen=1, observed=1, updated=None):
+    return {"metadata": {"generation": gen}, "spec": {"replicas": replicas},
+            "status": {"readyReplicas": ready, "observedGeneration": observed,
+                       "updatedReplicas": replicas if updated is None else updated}}
+
+
+def test_status_follows_deployments():
+    body = isvc()
+    st = compute_status(body, {"prefill": _dep(2, 1), "decode": _dep(1, 1), "front": _dep(1, 1)}, [], "T0")
+    assert st["prefill"] == {"desiredReplicas": 2, "readyReplicas": 1, "replicas": "1/2"}
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert conds["Ready"]["status"] == "False" and "prefill: 1/2" in conds["Ready"]["message"]
+    assert st["ready"] == "False" and st["observedGeneration"] == 3
+    assert st["endpoint"] == "http://llama.ml.svc.cluster.local:8000"
+    body["status"] = st
+    st2 = compute_status(body, {"prefill": _dep(2, 2), "decode": _dep(1, 1), "front": _dep(1, 1)}, [], "T1")
+    conds2 = {c["type"]: c for c in st2["conditions"]}
+    assert conds2["Ready"]["status"] == "True" and conds2["Ready"]["lastTransitionTime"] == "T1"
+    assert conds2["Degraded"]["status"] == "False"
+    assert conds2["Degraded"]["lastTransitionTime"] == "T0"  # unchanged condition keeps its time
+    st3 = compute_status(body, {"prefill": _dep(2, 2, gen=2, observed=1), "decode": _dep(1, 1),
+                                "front": None}, [], "T2")
+    conds3 = {c["type"]: c for c in st3["conditions"]}
+    assert conds3["Progressing"]["status"] == "True" and "prefill" in conds3["Progressing"]["message"]
+    st4 = compute_status(body, {"prefill": _dep(1, 1), "decode": _dep(1, 1), "front": _dep(1, 1)},
+                         ["spec.x is wrong"], "T3")
+    conds4 = {c["type"]: c for c in st4["conditions"]}
+    assert conds4["Degraded"]["status"] == "True" and conds4["Degraded"]["reason"] == "InvalidSpec"
+    assert conds4["Ready"]["status"] == "False"
+
+
+def test_validation_accepts_a_good_spec():
+    assert validate_spec(isvc()["spec"]) == []
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ({"decode": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}}, "spec.decode.autoscaling.minReplicas (5)"),
+    ({"decode": {"kv": {"dtype": "float16"}}}, "spec.prefill.kv.dtype (bfloat16) differs from spec.decode.kv.dtype"),
+    ({"prefill": {"kv": {"blockSize": 32}}}, "same KV block size"),
+    ({"kvTransfer": {"compression": "fp8"}, "decode": {"kv": {"compressions": ["none", "int8"]}}},
+     "spec.decode.kv.compressions"),
+    ({"speculation": {"method": "draft"}}, "spec.speculation.draft.path is not set"),
+    ({"model": {"path": "m", "pvc": "p", "tokenizer": "llama3"},
+      "speculation": {"method": "draft", "draft": {"path": "d", "tokenizer": "gpt2"}}}, "must share the target's tokenizer"),
+    ({"model": {"path": "m"}}, "spec.model needs a source for /models"),
+    ({"autoscaling": {"prefillDecodeRatio": {"min": 2, "max": 1}}}, "prefillDecodeRatio.min (2)"),
+])
+def test_validation_refuses_cross_field_mistakes(spec, needle):
+    errors = validate_spec(isvc(spec)["spec"])
+    assert any(needle in e for e in errors), errors
+
+
+def test_chart_crd_is_generated_from_python():
+    path = REPO / "charts/pdserve/crds/inferenceservices.yaml"
+    assert yaml.safe_load(path.read_text()) == crd.crd()
+
+
+def test_crd_schema_is_structural_and_defaults_match():
+    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert schema["properties"]["spec"]["required"] == ["model"]
+    spec = crd.apply_defaults({"model": {"path": "m"}})
+    assert spec["decode"]["autoscaling"]["metric"]["name"] == "pdserve_decode_kv_utilization"
+    assert spec["prefill"]["dataPort"] == 7100 and spec["speculation"] == {"method": "ngram", "maxK": 8}
+
+    def walk(s, path="$"):
+        # Structural schema: every node has a type, except int-or-string and preserve-unknown nodes.
+        assert "type" in s or s.get("x-kubernetes-int-or-string"), path
+        for k, sub in (s.get("properties") or {}).items():
+            walk(sub, f"{path}.{k}")
+        if isinstance(s.get("items"), dict):
+            walk(s["items"], f"{path}[]")
+        if isinstance(s.get("additionalProperties"), dict):
+            walk(s["additionalProperties"], f"{path}{{}}")
+    walk(schema)
