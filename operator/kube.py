@@ -1,0 +1,74 @@
+"""A small JSON client over `kubernetes.client.ApiClient` for the few kinds the operator writes.
+
+Why not the typed APIs: their PATCH picks `application/json-patch+json` for dict bodies, and the
+operator works on plain dicts produced by `reconcile.py` anyway. Every call is synchronous; kopf
+runs sync handlers in its thread pool.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kubernetes import client
+
+PLURALS = {
+    "Deployment": "deployments", "Service": "services", "Secret": "secrets",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers", "PodDisruptionBudget": "poddisruptionbudgets",
+    "InferenceService": "inferenceservices", "Event": "events",
+}
+
+
+def path_for(api_version: str, kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    p = f"{base}/namespaces/{namespace}/{PLURALS[kind]}"
+    if name:
+        p += f"/{name}"
+    if sub:
+        p += f"/{sub}"
+    return p
+
+
+class Kube:
+    """JSON in, JSON out. Raises `kubernetes.client.ApiException` on HTTP errors (404 -> None in get)."""
+
+    def __init__(self, api_client: client.ApiClient):
+        self.api = api_client
+
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        resp = self.api.call_api(
+            path, method, path_params={}, query_params=[],
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+            body=body, auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
+        data = resp.data
+        return json.loads(data) if data else None
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        try:
+            return self.request("GET", path_for(api_version, kind, namespace, name))
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def create(self, obj: dict) -> dict:
+        m = obj["metadata"]
+        return self.request("POST", path_for(obj["apiVersion"], obj["kind"], m["namespace"]), obj)
+
+    def replace(self, obj: dict) -> dict:
+        m = obj["metadata"]
+        return self.request("PUT", path_for(obj["apiVersion"], obj["kind"], m["namespace"], m["name"]), obj)
+
+    def merge_patch(self, api_version: str, kind: str, namespace: str, name: str, body: dict,
+                    sub: str | None = None) -> dict:
+        return self.request("PATCH", path_for(api_version, kind, namespace, name, sub), body,
+                            content_type="application/merge-patch+json")
+
+    def served_versions(self, group: str) -> list[str]:
+        """Versions the server offers for an API group (e.g. "autoscaling" -> ["v1", "v2beta1", ...])."""
+        try:
+            g = self.request("GET", f"/apis/{group}")
+        except client.ApiException as e:
+            if e.status == 404:
+                return []
+            raise
+        return [v["version"] for v in g.get("versions", [])]
