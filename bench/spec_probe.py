@@ -34,11 +34,13 @@ from pdserve.decode.speculation import SpanTracker, SpeculationController  # noq
 @dataclass
 class RunResult:
     tokens: list[int]
-    decode_seconds: float  # wall time after the prefill step
+    decode_seconds: float  # CPU seconds of this thread after the prefill step (see _clock)
+    wall_seconds: float = 0.0
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
     chosen_k: list[int] = field(default_factory=list)
+    match_log: list[tuple[int, int, int]] = field(default_factory=list)  # (matched n, proposed, accepted)
 
     @property
     def decode_tokens(self) -> int:  # tokens produced after the prefill's first token
@@ -47,6 +49,12 @@ class RunResult:
     @property
     def tokens_per_second(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def _clock() -> float:
+    """This thread's CPU seconds: on a shared 2-core machine wall time mostly measures the
+    neighbours; with one torch thread the CPU time is the work done (wall time is reported too)."""
+    return time.thread_time()
 
 
 def _truncate_at_eos(tokens: list[int], eos_ids: set[int]) -> tuple[list[int], bool]:
@@ -66,15 +74,15 @@ def plain_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set
     logits = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True,
                    logits_to_keep=1).logits
     out = [int(logits[0, -1].argmax())]
-    t0 = time.perf_counter()
+    t0, w0 = _clock(), time.perf_counter()
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
-        ts = time.perf_counter()
+        ts = _clock()
         logits = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True,
                        logits_to_keep=1).logits
         out.append(int(logits[0, -1].argmax()))
         if controller is not None:
-            controller.observe_verify(1, 1, time.perf_counter() - ts)
-    return RunResult(out, time.perf_counter() - t0, steps=len(out) - 1)
+            controller.observe_verify(1, 1, _clock() - ts)
+    return RunResult(out, _clock() - t0, wall_seconds=time.perf_counter() - w0, steps=len(out) - 1)
 
 
 @torch.inference_mode()
@@ -93,18 +101,18 @@ def speculative_greedy(model, tokenizer, prompt_ids: list[int], max_new_tokens: 
     span = SpanTracker().feed(tokenizer.decode(out))
     res = RunResult(out, 0.0)
     loop = asyncio.new_event_loop()
-    t0 = time.perf_counter()
+    t0, w0 = _clock(), time.perf_counter()
     try:
         while len(out) < max_new_tokens and out[-1] not in eos_ids:
             kind = span.kind
             k = controller.choose_k(request_id, kind, 1, min(max_k, max_new_tokens - len(out) - 1))
-            ts = time.perf_counter()
+            ts = _clock()
             draft = loop.run_until_complete(drafter.propose(request_id, prompt_ids + out, k)) if k > 0 else None
-            td = time.perf_counter() - ts
+            td = _clock() - ts
             proposal = draft.token_ids[:k] if draft is not None else []
             if k > 0:
                 controller.observe_draft(k, td)
-            ts = time.perf_counter()
+            ts = _clock()
             base = cache.get_seq_length()
             logits = model(input_ids=torch.tensor([[out[-1]] + proposal]), past_key_values=cache,
                            use_cache=True).logits[0]
@@ -113,7 +121,7 @@ def speculative_greedy(model, tokenizer, prompt_ids: list[int], max_new_tokens: 
             while accepted < len(proposal) and proposal[accepted] == preds[accepted]:
                 accepted += 1
             crop_cache(cache, base + 1 + accepted)
-            controller.observe_verify(1, len(proposal) + 1, time.perf_counter() - ts)
+            controller.observe_verify(1, len(proposal) + 1, _clock() - ts)
             new = proposal[:accepted] + [preds[accepted]]
             new, _ = _truncate_at_eos(new[: max_new_tokens - len(out)], eos_ids)
             drafter.feedback(request_id, accepted, new)
@@ -124,12 +132,15 @@ def speculative_greedy(model, tokenizer, prompt_ids: list[int], max_new_tokens: 
             res.drafted += len(proposal)
             res.accepted += accepted
             res.chosen_k.append(k)
+            match_n = getattr(drafter, "last_match_n", {}).get(request_id, 0) if proposal else 0
+            res.match_log.append((match_n, len(proposal), accepted))
     finally:
         loop.close()
         drafter.release(request_id)
         controller.release(request_id)
     res.tokens = out
-    res.decode_seconds = time.perf_counter() - t0
+    res.decode_seconds = _clock() - t0
+    res.wall_seconds = time.perf_counter() - w0
     return res
 
 
@@ -165,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     plain_greedy(model, warm, 8, eos_ids, controller)
 
     rows, all_ok = [], True
+    match_stats: dict[int, list[int]] = {}  # matched n -> [steps, proposed, accepted]
     print(f"{'workload':<12} {'prompt':<8} {'new':>4} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
           f"{'accept':>6} {'tok/step':>8} {'same':>5}", flush=True)
     for wl in get_workloads(args.workloads):
@@ -178,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             spec = speculative_greedy(model, tok, ids, max_new, eos_ids, drafter, controller,
                                       f"{wl.name}/{p.name}", max_k=args.max_k)
             same = spec.tokens == plain.tokens
+            for n, proposed, acc_n in spec.match_log:
+                st = match_stats.setdefault(n, [0, 0, 0])
+                st[0] += 1; st[1] += proposed; st[2] += acc_n  # noqa: E702
             all_ok &= same
             agg["plain_tokens"] += plain.decode_tokens
             agg["plain_s"] += plain.decode_seconds
@@ -211,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"workload": wl.name, "prompt": "ALL", "plain_tps": p_tps, "spec_tps": s_tps, "ratio": ratio,
                      "acceptance": acc, "tokens_per_step": tps, "mismatches": agg["mismatches"],
                      "target": wl.target_speedup})
+    for n in sorted(match_stats):
+        st = match_stats[n]
+        print(f"  matched n={n}: {st[0]} steps, {st[1]} proposed, acceptance {st[2] / max(st[1], 1):.2f}")
     a, b = controller.latency.verify_coefficients()
     print(f"latency fit: verify ≈ {1000 * a:.1f} ms + {1000 * b:.2f} ms/token; stats: {controller.stats.snapshot()}")
     if args.json:

@@ -250,36 +250,47 @@ def _trace(*turns: tuple[str, str]) -> list[dict[str, str]]:
     return [{"role": "system", "content": _AGENT_SYSTEM}] + [{"role": r, "content": c} for r, c in turns]
 
 
+_WEATHER_PARIS = {"city": "Paris", "temperature": 14, "units": "metric", "conditions": "light rain"}
+_HANDOFF_MATCH = {"matches": [{"path": "kvtransfer/protocol.py", "line": 212,
+                               "text": "def parse_handoff_record(payload: bytes) -> HandoffRecord:"}]}
+_STANDUP = ("# Standup 2026-11-30\n- The KV channel passed its tests.\n- The operator still needs RBAC.\n"
+            "- Release planned for Friday.")
+_OBSERVED_GEN = {"matches": [{"path": "operator/reconcile.py", "line": 88,
+                              "text": "status['observedGeneration'] = meta['generation']"},
+                             {"path": "operator/handlers.py", "line": 41,
+                              "text": "patch.status['observedGeneration'] = generation"}]}
+
 _AGENT_TRACES = [
     _trace(
         ("user", "What's the weather in Paris and in Berlin right now, in metric units?"),
         ("assistant", _call("get_weather", city="Paris", units="metric")),
-        ("tool", json.dumps({"city": "Paris", "temperature": 14, "units": "metric", "conditions": "light rain"})),
+        ("tool", json.dumps(_WEATHER_PARIS)),
+        ("user", "Thanks. Now call the same tool for Berlin with the same units."),
     ),
     _trace(
         ("user", "Find where the function parse_handoff_record is defined in the kvtransfer folder and show it to me."),
         ("assistant", _call("search_files", query="def parse_handoff_record", path="kvtransfer")),
-        ("tool", json.dumps({"matches": [{"path": "kvtransfer/protocol.py", "line": 212,
-                                          "text": "def parse_handoff_record(payload: bytes) -> HandoffRecord:"}]})),
+        ("tool", json.dumps(_HANDOFF_MATCH)),
+        ("user", "Read that file from line 212 to line 260."),
     ),
     _trace(
-        ("user", "Email alice@example.com the summary of today's standup: the KV channel passed its tests, "
-                 "the operator still needs RBAC, and the release is planned for Friday."),
-        ("assistant", _call("search_files", query="standup notes", path="notes")),
-        ("tool", json.dumps({"matches": [{"path": "notes/standup.md", "line": 1, "text": "# Standup"}]})),
+        ("user", "Email alice@example.com the summary of today's standup with the subject 'Standup 2026-11-30'."),
         ("assistant", _call("read_file", path="notes/standup.md", start_line=1, end_line=20)),
-        ("tool", "# Standup\n- The KV channel passed its tests.\n- The operator still needs RBAC.\n- Release planned for Friday."),
+        ("tool", _STANDUP),
+        ("user", "Good. Send it to alice@example.com now; copy the notes into the body exactly."),
     ),
     _trace(
         ("user", "Schedule a meeting called 'Design review: speculative decoding' on 2026-12-03 at 14:30 "
                  "with bob@example.com and carol@example.com."),
-        ("assistant", _call("get_weather", city="Zurich", units="metric")),
-        ("tool", json.dumps({"error": "wrong tool for this request; use create_calendar_event"})),
+        ("assistant", _call("create_calendar_event", title="Design review: speculative decoding",
+                            date="2026-12-03", time="14:30", attendees=["bob@example.com"])),
+        ("tool", json.dumps({"error": "attendees incomplete: carol@example.com is missing; call again with all attendees"})),
     ),
     _trace(
         ("user", "Read lines 40 to 80 of decode/speculation.py, then lines 80 to 120 of the same file."),
         ("assistant", _call("read_file", path="decode/speculation.py", start_line=40, end_line=80)),
         ("tool", "class SpanTracker:\n    \"\"\"Incremental span classifier for one request.\"\"\"\n    ..."),
+        ("user", "Now the next part, lines 80 to 120."),
     ),
     _trace(
         ("user", "Check the weather in Tokyo in imperial units, then email the result to dan@example.com "
@@ -290,10 +301,7 @@ _AGENT_TRACES = [
     _trace(
         ("user", "Search the operator folder for 'observedGeneration' and then read the first file you find."),
         ("assistant", _call("search_files", query="observedGeneration", path="operator")),
-        ("tool", json.dumps({"matches": [{"path": "operator/reconcile.py", "line": 88,
-                                          "text": "status['observedGeneration'] = meta['generation']"},
-                                         {"path": "operator/handlers.py", "line": 41,
-                                          "text": "patch.status['observedGeneration'] = generation"}]})),
+        ("tool", json.dumps(_OBSERVED_GEN)),
     ),
     _trace(
         ("user", "Send an email to ops@example.com with subject 'Decode pool scaled' and body "

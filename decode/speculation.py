@@ -209,6 +209,7 @@ class _DecayedLinearFit:
         self.decay = decay
         self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
         self.count = 0
+        self._prior_weight = prior_weight
         w = prior_weight / len(prior_x)
         self._prior = []
         for x in prior_x:
@@ -226,9 +227,10 @@ class _DecayedLinearFit:
 
     def coefficients(self) -> tuple[float, float]:
         n, sx, sxx, sy, sxy = self.n, self.sx, self.sxx, self.sy, self.sxy
-        # the prior fades as data arrives: its weight is fixed, the data's grows to 1/(1-decay)
+        # the prior fades as data arrives (its weight shrinks like 1/observations)
+        fade = 1.0 / (1.0 + self.count / max(self._prior_weight, 1e-9))
         for pn, psx, psxx, psy, psxy in self._prior:
-            n += pn; sx += psx; sxx += psxx; sy += psy; sxy += psxy  # noqa: E702
+            n += fade * pn; sx += fade * psx; sxx += fade * psxx; sy += fade * psy; sxy += fade * psxy  # noqa: E702
         det = n * sxx - sx * sx
         if det <= 1e-12:
             return self.a0, self.b0
