@@ -41,6 +41,7 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     ignore_eos: bool = False
     speculation: SpecOptions | None = None
+    return_token_ids: bool = False  # pdserve extension: include the generated token ids in each choice
 
     @field_validator("stop")
     @classmethod

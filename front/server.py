@@ -229,6 +229,8 @@ class Front:
                       "finish_reason": gen.finish_reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "finish_reason": gen.finish_reason, "logprobs": None}
+        if gen.req.return_token_ids:
+            choice["token_ids"] = gen.token_ids
         return web.json_response({
             "id": gen.rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": self.model_name, "choices": [choice], "usage": self._usage(gen),
@@ -287,6 +289,7 @@ class Generation:
         self.front, self.rid, self.prompt_ids, self.params, self.req = front, rid, prompt_ids, params, req
         self.finish_reason: str | None = None
         self.completion_tokens = 0
+        self.token_ids: list[int] = []
         self.usage = None
         self._sub = None
 
@@ -371,6 +374,7 @@ class Generation:
                             f.m_itl.observe(now - last_token_at)
                         last_token_at = now
                         self.completion_tokens += len(ev.token_ids)
+                        self.token_ids.extend(ev.token_ids)
                         if ev.text:
                             yield ev.text
                         continue

@@ -97,25 +97,36 @@ async def send_kv(
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), connect_timeout)
     except (OSError, asyncio.TimeoutError) as e:
         raise TransferError(f"cannot reach decode data port {addr}: {e or 'timeout'}") from None
+    # The receiver may refuse early (bad token, layout, corrupt chunk): watch for its ACK while
+    # sending, so a refusal stops the transfer and its reason reaches the caller.
+    ack_task = asyncio.create_task(_read_frame(reader, timeout, MAX_CONTROL_FRAME))
     try:
-        writer.writelines(_frame(HELLO, header.model_dump_json().encode()))
-        for i, layer in enumerate(kv.layers):
-            writer.writelines(_frame(CHUNK, tensor_bytes(layer), layer=i))
-            await asyncio.wait_for(writer.drain(), timeout)
-        writer.writelines(_frame(END, json.dumps({"chunks": len(kv.layers), "bytes": kv.nbytes}).encode()))
-        await asyncio.wait_for(writer.drain(), timeout)
-        kind, _, payload = await _read_frame(reader, timeout, MAX_CONTROL_FRAME)
+        try:
+            writer.writelines(_frame(HELLO, header.model_dump_json().encode()))
+            for i, layer in enumerate(kv.layers):
+                if ack_task.done():
+                    break
+                writer.writelines(_frame(CHUNK, tensor_bytes(layer), layer=i))
+                await asyncio.wait_for(writer.drain(), timeout)
+            else:
+                writer.writelines(_frame(END, json.dumps({"chunks": len(kv.layers), "bytes": kv.nbytes}).encode()))
+                await asyncio.wait_for(writer.drain(), timeout)
+        except asyncio.TimeoutError:
+            raise TransferError(f"decode data port {addr} stalled (no progress for {timeout:.1f} s)") from None
+        except (ConnectionError, OSError) as e:
+            try:  # the receiver may have said why before it hung up
+                await asyncio.wait_for(asyncio.shield(ack_task), 1.0)
+            except Exception:
+                raise TransferError(f"connection to {addr} lost: {e}") from None
+        kind, _, payload = await ack_task
         if kind != ACK:
             raise TransferError(f"expected ACK, got frame kind {kind}")
         ack = json.loads(payload)
         if not ack.get("ok"):
             raise TransferError(f"receiver refused KV: {ack.get('error')}")
         return ack
-    except asyncio.TimeoutError:
-        raise TransferError(f"decode data port {addr} stalled (no progress for {timeout:.1f} s)") from None
-    except (ConnectionError, OSError) as e:
-        raise TransferError(f"connection to {addr} lost: {e}") from None
     finally:
+        ack_task.cancel()
         writer.close()
         try:
             await asyncio.wait_for(writer.wait_closed(), 1.0)
@@ -209,10 +220,10 @@ class KVReceiver:
                 self._check_header(exp, header)
                 kv, stats = await self._receive_body(reader, header)
             except (TransferError, LayoutMismatch) as e:
-                writer.write(b"".join(_frame(ACK, json.dumps({"ok": False, "error": str(e)}).encode())))
                 if exp and not exp.future.done():
                     exp.future.set_exception(TransferError(str(e)))
                 log.warning("kv transfer refused: %s", e)
+                await self._refuse(reader, writer, str(e))
                 return
             writer.write(b"".join(_frame(ACK, json.dumps({"ok": True, **stats}).encode())))
             if not exp.future.done():
@@ -224,6 +235,19 @@ class KVReceiver:
         finally:
             self.active -= 1
             writer.close()
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reason: str) -> None:
+        """Say why, then discard what the sender still has in flight (bounded), so it reads the reason
+        instead of a connection reset."""
+        try:
+            writer.write(b"".join(_frame(ACK, json.dumps({"ok": False, "error": reason}).encode())))
+            await asyncio.wait_for(writer.drain(), 1.0)
+            deadline = asyncio.get_running_loop().time() + 1.0
+            while (left := deadline - asyncio.get_running_loop().time()) > 0:
+                if not await asyncio.wait_for(reader.read(1 << 20), left):
+                    break
+        except (asyncio.TimeoutError, ConnectionError, OSError):
+            pass
 
     def _check_header(self, exp: Expected, h: TransferHeader) -> None:
         if h.request_id != exp.request_id:

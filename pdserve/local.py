@@ -98,6 +98,14 @@ class LocalCluster:
         except OSError:
             return ""
 
+    def restart(self, name: str, timeout: float = 120.0) -> None:
+        """Start a stopped worker again with the arguments it had (a new generation of the same id)."""
+        old = self.procs[name]
+        if old.poll() is None:
+            self.kill(name)
+        self.spawn(name, *old.args[3:])
+        self.wait_ready(timeout)
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         p = self.procs[name]
         if p.poll() is None:

@@ -1,0 +1,243 @@
+"""The direct KV data path over real loopback TCP: intact transfers, and every way one can go wrong.
+
+No model here: KV payloads are random tensors with a real layout, so these run in seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import zlib
+
+import pytest
+import torch
+
+from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
+from pdserve.kvtransfer.tcp import (
+    CHUNK, END, HELLO, KVReceiver, TransferError, TransferHeader, _frame, _read_frame, send_kv,
+)
+
+LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=3, kv_heads=2, head_dim=8, dtype="float32", block_size=4)
+
+
+def make_kv(num_tokens: int = 10, layout: KVLayout = LAYOUT) -> KVBlocks:
+    g = torch.Generator().manual_seed(num_tokens)
+    layers = []
+    for _ in range(layout.num_layers):
+        k = torch.randn(layout.kv_heads, num_tokens, layout.head_dim, generator=g).to(layout.torch_dtype)
+        v = torch.randn(layout.kv_heads, num_tokens, layout.head_dim, generator=g).to(layout.torch_dtype)
+        layers.append(KVBlocks.layer_from_dense(k, v, layout.block_size))
+    return KVBlocks(layout, num_tokens, layers)
+
+
+def header(token: str, kv: KVBlocks, **over) -> TransferHeader:
+    fields = dict(transfer_token=token, request_id="r1", sender_id="prefill-a", sender_generation=7,
+                  layout=kv.layout, num_tokens=kv.num_tokens, num_chunks=len(kv.layers), total_bytes=kv.nbytes)
+    fields.update(over)
+    return TransferHeader(**fields)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_blocks_round_trip_dense():
+    k = torch.randn(2, 13, 8)
+    v = torch.randn(2, 13, 8)
+    blocks = KVBlocks.layer_from_dense(k, v, 4)
+    assert blocks.shape == (4, 2, 2, 4, 8)
+    k2, v2 = KVBlocks.layer_to_dense(blocks, 13)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert torch.count_nonzero(blocks[-1, :, :, 1:]) == 0  # padding past the last token is zero
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_intact_transfer_is_bit_exact(dtype):
+    layout = LAYOUT.model_copy(update={"dtype": dtype})
+    kv = make_kv(10, layout)
+
+    async def go():
+        rx = await KVReceiver(layout).start()
+        token = rx.expect("r1", "prefill-a", 7, layout, 10)
+        ack, (got, stats) = await asyncio.gather(send_kv(rx.address, header(token, kv), kv), rx.wait(token, 5))
+        await rx.close()
+        return ack, got, stats
+
+    ack, got, stats = run(go())
+    assert ack["ok"] and stats["bytes"] == kv.nbytes == layout.payload_bytes(10)
+    assert all(torch.equal(a, b) for a, b in zip(kv.layers, got.layers))
+
+
+def test_layout_mismatch_is_refused_naming_the_field():
+    rx_layout = LAYOUT.model_copy(update={"dtype": "bfloat16", "block_size": 8})
+    with pytest.raises(LayoutMismatch, match=r"dtype: expected 'bfloat16', got 'float32'.*block_size"):
+        rx_layout.check_matches(LAYOUT)
+
+
+def _send_raw(addr: str, frames: list[bytes], read_ack: bool = True, timeout: float = 5):
+    async def go():
+        host, _, port = addr.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        for f in frames:
+            writer.write(f)
+        await writer.drain()
+        ack = None
+        if read_ack:
+            try:
+                _, _, payload = await _read_frame(reader, timeout, 1 << 20)
+                ack = json.loads(payload)
+            except TransferError:
+                ack = None
+        writer.close()
+        return ack
+    return go()
+
+
+def _frames_for(kv: KVBlocks, hdr: TransferHeader) -> list[bytes]:
+    out = [b"".join(_frame(HELLO, hdr.model_dump_json().encode()))]
+    for i, layer in enumerate(kv.layers):
+        out.append(b"".join(bytes(x) for x in _frame(CHUNK, layer.contiguous().view(torch.uint8).numpy().tobytes(), i)))
+    out.append(b"".join(_frame(END, b"{}")))
+    return out
+
+
+def _expect_failure(mutate, match: str, stall_timeout: float = 5.0, wait_timeout: float = 5.0):
+    kv = make_kv()
+
+    async def go():
+        rx = await KVReceiver(LAYOUT, stall_timeout=stall_timeout).start()
+        token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens)
+        frames = _frames_for(kv, header(token, kv))
+        frames, hdr_over = mutate(frames, token)
+        sender = asyncio.create_task(_send_raw(rx.address, frames))
+        with pytest.raises(TransferError, match=match):
+            await rx.wait(token, wait_timeout)
+        ack = await sender
+        await rx.close()
+        assert not rx._expected, "a failed transfer must not stay registered"
+        return ack
+
+    return run(go())
+
+
+def test_corrupt_chunk_is_refused():
+    def corrupt(frames, token):
+        bad = bytearray(frames[2])
+        bad[-1] ^= 0xFF  # flip bits in layer 1's payload, keep its crc
+        frames[2] = bytes(bad)
+        return frames, None
+
+    ack = _expect_failure(corrupt, "corrupt chunk \\(layer 1\\)")
+    assert ack == {"ok": False, "error": "corrupt chunk (layer 1): crc32 mismatch"}
+
+
+def test_truncated_stream_is_refused():
+    def truncate(frames, token):
+        frames[2] = frames[2][: len(frames[2]) // 2]
+        return frames[:3], None  # then the sender closes the connection
+
+    async def _noop():
+        return None
+
+    kv = make_kv()
+
+    async def go():
+        rx = await KVReceiver(LAYOUT).start()
+        token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens)
+        frames, _ = truncate(_frames_for(kv, header(token, kv)), token)
+        await _send_raw(rx.address, frames, read_ack=False)
+        with pytest.raises(TransferError, match="stream truncated"):
+            await rx.wait(token, 5)
+        await rx.close()
+
+    run(go())
+
+
+def test_stalled_peer_fails_within_its_bound():
+    def stall(frames, token):
+        return frames[:2], None  # HELLO and one chunk, then silence (connection left open)
+
+    kv = make_kv()
+
+    async def go():
+        rx = await KVReceiver(LAYOUT, stall_timeout=0.5).start()
+        token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens)
+        frames = _frames_for(kv, header(token, kv))[:2]
+        host, _, port = rx.address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"".join(frames))
+        await writer.drain()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(TransferError, match="peer stalled"):
+            await rx.wait(token, 5)
+        elapsed = loop.time() - t0
+        writer.close()
+        await rx.close()
+        return elapsed
+
+    assert run(go()) < 4.0  # the stall bound (0.5 s) fired, not the outer wait (5 s)
+
+
+def test_stale_generation_is_refused():
+    kv = make_kv()
+
+    async def go():
+        rx = await KVReceiver(LAYOUT).start()
+        token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens)
+        with pytest.raises(TransferError, match="stale or foreign sender.*gen 7.*gen 6"):
+            await asyncio.gather(send_kv(rx.address, header(token, kv, sender_generation=6), kv), rx.wait(token, 5))
+        await rx.close()
+
+    run(go())
+
+
+def test_unknown_token_and_garbage_are_refused_without_harm():
+    kv = make_kv()
+
+    async def go():
+        rx = await KVReceiver(LAYOUT).start()
+        with pytest.raises(TransferError, match="unknown or expired transfer token"):
+            await send_kv(rx.address, header("not-a-token", kv), kv)
+        host, _, port = rx.address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 16)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        # a real transfer still works afterwards
+        token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens)
+        ack, _ = await asyncio.gather(send_kv(rx.address, header(token, kv), kv), rx.wait(token, 5))
+        await rx.close()
+        return data, ack
+
+    data, ack = run(go())
+    assert b"not a pdserve KV stream" in data
+    assert ack["ok"]
+
+
+def test_dead_receiver_is_a_clear_error():
+    kv = make_kv()
+
+    async def go():
+        rx = await KVReceiver(LAYOUT).start()
+        addr = rx.address
+        await rx.close()
+        with pytest.raises(TransferError, match="cannot reach decode data port"):
+            await send_kv(addr, header("t", kv), kv, connect_timeout=1)
+
+    run(go())
+
+
+def test_header_size_must_match_layout():
+    kv = make_kv()
+
+    async def go():
+        rx = await KVReceiver(LAYOUT).start()
+        token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens)
+        with pytest.raises(TransferError, match="size"):
+            await asyncio.gather(send_kv(rx.address, header(token, kv, total_bytes=kv.nbytes + 1), kv),
+                                 rx.wait(token, 5))
+        await rx.close()
+
+    run(go())

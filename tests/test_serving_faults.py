@@ -1,0 +1,198 @@
+"""Faults on the serving path, against real processes: dead workers, lost or mismatched KV, no workers.
+
+Each failure must reach the client as an error within a bound (never a hang, never a 200 with a
+truncated answer), and a request whose KV was lost is recomputed or failed, per its policy.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import nats
+import pytest
+import torch
+
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.protocol import HandoffOffer, HandoffReply, StreamEvent, Subjects
+from pdserve.local import LocalCluster
+from pdserve.sampling import SamplingParams
+
+pytestmark = pytest.mark.model
+MODEL = "SmolLM2-135M-Instruct"
+LONG_PROMPT = (Path(__file__).parent / "data" / "long_prompt.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def cluster(nats_server, model_dir):
+    c = LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds,
+                     worker_args={"decode": ["--transfer-timeout", "2"],
+                                  "front": ["--dispatch-timeout", "2"]})
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def post(url, body, timeout=120):
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def greedy_ids(cluster, prompt, n):
+    s, out = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": n,
+                                                    "temperature": 0, "return_token_ids": True})
+    assert s == 200, out
+    return out["choices"][0]["token_ids"]
+
+
+async def _offer(creds, offer: HandoffOffer, collect_until_done: bool = True, timeout: float = 60):
+    """Play a prefill worker that offers KV and then never sends it (it 'died' after the offer)."""
+    async with await nats.connect(**creds.connect_kwargs()) as nc:
+        sub = await nc.subscribe(Subjects.stream(offer.request_id))
+        reply = HandoffReply.decode((await nc.request(Subjects.decode_handoff("decode-0"), offer.encode(),
+                                                      timeout=5)).data)
+        events = []
+        if reply.accepted and collect_until_done:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                ev = StreamEvent.decode((await sub.next_msg(timeout=deadline - time.monotonic())).data)
+                events.append(ev)
+                if ev.kind in ("done", "error"):
+                    break
+        return reply, events
+
+
+def _make_offer(cluster_layout: KVLayout, prompt_ids, first, policy, rid, **over) -> HandoffOffer:
+    fields = dict(request_id=rid, sender_id="prefill-imposter", sender_generation=1, layout=cluster_layout,
+                  num_tokens=len(prompt_ids), kv_bytes=cluster_layout.payload_bytes(len(prompt_ids)),
+                  prompt_token_ids=prompt_ids, generated_token_ids=[first],
+                  sampling=SamplingParams(max_tokens=8, temperature=0), seed=0, next_seq=1, failure_policy=policy)
+    fields.update(over)
+    return HandoffOffer(**fields)
+
+
+def _layout(model_dir) -> KVLayout:
+    from pdserve.modelstore import model_fingerprint
+
+    return KVLayout(model_fingerprint=model_fingerprint(model_dir), num_layers=30, kv_heads=3, head_dim=64,
+                    dtype="float32", block_size=16)
+
+
+def test_lost_kv_is_recomputed_under_the_recompute_policy(cluster, nats_server, model_dir, tok):
+    prompt = "The three primary colours are"
+    expected = greedy_ids(cluster, prompt, 8)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    offer = _make_offer(_layout(model_dir), ids, expected[0], "recompute", "lost-kv-recompute")
+    reply, events = asyncio.run(_offer(nats_server.creds, offer))
+    assert reply.accepted
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "handoff" and kinds[-1] == "done", kinds
+    got = [expected[0]] + [t for e in events if e.kind == "token" for t in e.token_ids]
+    assert got == expected  # recomputed KV continues exactly where a real handoff would have
+    assert [e.seq for e in events] == list(range(1, 1 + len(events)))
+
+
+def test_lost_kv_fails_the_request_under_the_fail_policy(cluster, nats_server, model_dir, tok):
+    ids = tok.encode("Hello", add_special_tokens=False)
+    offer = _make_offer(_layout(model_dir), ids, 42, "fail", "lost-kv-fail")
+    t0 = time.monotonic()
+    reply, events = asyncio.run(_offer(nats_server.creds, offer))
+    assert reply.accepted
+    assert [e.kind for e in events] == ["error"]
+    assert "did not arrive within 2.0 s" in events[0].error and events[0].status == 502
+    assert time.monotonic() - t0 < 20
+
+
+def test_handoff_for_another_model_is_refused(cluster, nats_server, model_dir, tok):
+    ids = tok.encode("Hello", add_special_tokens=False)
+    wrong = _layout(model_dir).model_copy(update={"model_fingerprint": "0123456789abcdef", "dtype": "bfloat16"})
+    reply, events = asyncio.run(_offer(nats_server.creds, _make_offer(wrong, ids, 1, "fail", "wrong-model")))
+    assert not reply.accepted and events == []
+    assert "model_fingerprint: expected" in reply.error and "dtype: expected 'float32', got 'bfloat16'" in reply.error
+
+
+def test_malformed_offer_is_refused(cluster, nats_server):
+    async def go():
+        async with await nats.connect(**nats_server.creds.connect_kwargs()) as nc:
+            return HandoffReply.decode((await nc.request(Subjects.decode_handoff("decode-0"), b'{"v": 1, "x": 2}',
+                                                         timeout=5)).data)
+    reply = asyncio.run(go())
+    assert not reply.accepted and "malformed HandoffOffer" in reply.error
+
+
+def _stream_lines(url, body, on_token=None):
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    lines = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line:
+                continue
+            lines.append(line)
+            if on_token and len(lines) == 3:
+                on_token()
+    return lines
+
+
+def test_decode_killed_mid_stream_ends_the_stream_with_an_error(cluster):
+    killed_at = []
+
+    def kill():
+        killed_at.append(time.monotonic())
+        cluster.kill("decode-0")
+
+    body = {"model": MODEL, "prompt": "Count from one to one thousand: one, two,", "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True}
+    lines = _stream_lines(cluster.url + "/v1/completions", body, on_token=kill)
+    elapsed = time.monotonic() - killed_at[0]
+    assert lines[-1] != "data: [DONE]"
+    err = json.loads(lines[-1][len("data: "):])
+    assert err["error"]["code"] == "worker_lost" and "decode worker decode-0 died" in err["error"]["message"]
+    assert elapsed < 15  # the heartbeat bound (3 s) plus slack, not a hang
+    cluster.restart("decode-0")
+
+
+def test_decode_killed_mid_request_is_an_error_not_a_truncated_200(cluster):
+    threading.Timer(2.0, cluster.kill, args=("decode-0",)).start()
+    status, out = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": "Once upon a time",
+                                                         "max_tokens": 500, "temperature": 0, "ignore_eos": True})
+    assert status == 502 and out["error"]["code"] == "worker_lost"
+    cluster.restart("decode-0")
+
+
+def test_prefill_killed_mid_prefill_is_an_error(cluster):
+    threading.Timer(0.8, cluster.kill, args=("prefill-0",)).start()
+    t0 = time.monotonic()
+    status, out = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT * 3, "max_tokens": 4})
+    assert status == 502 and "prefill worker prefill-0 died" in out["error"]["message"]
+    assert time.monotonic() - t0 < 20
+
+
+def test_no_worker_gives_503_within_a_bound(cluster):
+    if cluster.procs["prefill-0"].poll() is None:
+        cluster.kill("prefill-0")
+    deadline = time.monotonic() + 10
+    while cluster.health()["prefill_workers"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    status, out = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": "hi"})
+    assert status == 503 and out["error"]["code"] == "no_worker"
+    assert time.monotonic() - t0 < 5
+    cluster.restart("prefill-0")
+    assert greedy_ids(cluster, "The sky is", 3)  # and it serves again once a worker is back
