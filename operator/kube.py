@@ -14,7 +14,7 @@ from kubernetes import client
 PLURALS = {
     "Deployment": "deployments", "Service": "services", "Secret": "secrets",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers", "PodDisruptionBudget": "poddisruptionbudgets",
-    "InferenceService": "inferenceservices", "Event": "events",
+    "InferenceService": "inferenceservices", "Event": "events", "Pod": "pods",
 }
 
 

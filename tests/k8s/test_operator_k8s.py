@@ -1,0 +1,323 @@
+"""The operator against a real kube-apiserver (v1.20) + kube-controller-manager, run by kopf's
+KopfRunner: children with owner references, status following the pools, spec changes, restart,
+garbage collection; the CRD schema and the validating webhook refusing bad objects.
+
+Stand-ins (no kubelet or GPU here): tests mark Pods Ready by patching their status, as a kubelet
+would; the Deployment/ReplicaSet controllers then compute Deployment status for real.
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import ipaddress
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+
+from pdserve.operator.kube import Kube
+
+pytestmark = pytest.mark.k8s
+
+REPO = Path(__file__).resolve().parents[2]
+API = "pdserve.io/v1alpha1"
+WAIT_S = 90  # an upper bound on waiting for controllers, never asserted as a duration
+
+
+def wait_for(fn, what: str, timeout: float = WAIT_S):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+            if last:
+                return last
+        except client.ApiException as e:
+            last = e
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+@pytest.fixture(scope="module")
+def kube(k8s_api_client):
+    k = Kube(k8s_api_client)
+    crd = yaml.safe_load((REPO / "charts/pdserve/crds/inferenceservices.yaml").read_text())
+    ext = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    try:
+        k.request("POST", ext, crd)
+    except client.ApiException as e:
+        if e.status != 409:
+            raise
+
+    def established():
+        c = k.request("GET", f"{ext}/{crd['metadata']['name']}")
+        return any(x["type"] == "Established" and x["status"] == "True" for x in c["status"].get("conditions", []))
+    wait_for(established, "CRD Established")
+    return k
+
+
+@pytest.fixture(scope="module")
+def operator_env(kube):
+    """The chart's environment for the operator: NATS URL and a credentials Secret."""
+    ns = "pdserve-system"
+    try:
+        kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
+        kube.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pdserve-nats", "namespace": ns},
+                     "stringData": {"user": "pdserve", "password": "test-password-123"}})
+    except client.ApiException as e:
+        if e.status != 409:
+            raise
+    env = {"PDSERVE_NATS_URL": "nats://pdserve-nats.pdserve-system:4222", "PDSERVE_NATS_SECRET": "pdserve-nats",
+           "PDSERVE_NATS_SECRET_NAMESPACE": ns, "PDSERVE_IMAGE": "ghcr.io/pdserve/pdserve:0.1.0"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def run_operator():
+    from kopf.testing import KopfRunner
+
+    return KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "pdserve.operator.handlers"], timeout=60)
+
+
+def isvc(name: str, ns: str, **spec) -> dict:
+    body = {"model": {"path": "tiny-llama", "pvc": "models"}}
+    body.update(spec)
+    return {"apiVersion": API, "kind": "InferenceService", "metadata": {"name": name, "namespace": ns}, "spec": body}
+
+
+def get_isvc(kube, ns, name):
+    return kube.get(API, "InferenceService", ns, name)
+
+
+def mark_pods_ready(kube, ns: str, component: str) -> int:
+    """Stand in for the kubelet: every Pod of the pool becomes Running and Ready."""
+    pods = kube.request("GET", f"/api/v1/namespaces/{ns}/pods?labelSelector="
+                               f"app.kubernetes.io/component={component}")["items"]
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for i, p in enumerate(pods):
+        kube.merge_patch("v1", "Pod", ns, p["metadata"]["name"], {"status": {
+            "phase": "Running", "podIP": f"10.1.0.{i + 2}", "startTime": now,
+            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now},
+                           {"type": "ContainersReady", "status": "True", "lastTransitionTime": now}]}},
+            sub="status")
+    return len(pods)
+
+
+def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s_namespace):
+    ns, name = k8s_namespace, "llama"
+
+    with run_operator() as runner:
+        kube.create(isvc(name, ns, decode={"gpus": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}}))
+        deps = {p: wait_for(lambda p=p: kube.get("apps/v1", "Deployment", ns, f"{name}-{p}"), f"{p} Deployment")
+                for p in ("prefill", "decode", "front")}
+        owner = get_isvc(kube, ns, name)
+        uid = owner["metadata"]["uid"]
+        children = [*deps.values(),
+                    kube.get("v1", "Service", ns, name), kube.get("v1", "Service", ns, f"{name}-decode"),
+                    kube.get("v1", "Secret", ns, f"{name}-nats")]
+        # The test server is v1.20: discovery must have picked autoscaling/v2beta2 and policy/v1beta1.
+        for pool in ("prefill", "decode"):
+            children.append(kube.get("autoscaling/v2beta2", "HorizontalPodAutoscaler", ns, f"{name}-{pool}"))
+            children.append(kube.get("policy/v1beta1", "PodDisruptionBudget", ns, f"{name}-{pool}"))
+        for c in children:
+            assert c is not None
+            assert [o["uid"] for o in c["metadata"]["ownerReferences"]] == [uid], c["metadata"]["name"]
+            assert c["metadata"]["labels"]["app.kubernetes.io/instance"] == name
+        dec = deps["decode"]["spec"]["template"]["spec"]["containers"][0]
+        assert dec["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        assert deps["prefill"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        hpa = kube.get("autoscaling/v2beta2", "HorizontalPodAutoscaler", ns, f"{name}-decode")
+        assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "pdserve_decode_kv_utilization"
+        assert hpa["spec"]["maxReplicas"] == 3
+
+        # Nothing is ready yet: pods exist (ReplicaSet controller) but stay Pending.
+        st = wait_for(lambda: (get_isvc(kube, ns, name).get("status") or {}).get("decode"), "status.decode")
+        assert st["readyReplicas"] == 0
+        assert get_isvc(kube, ns, name)["status"]["ready"] == "False"
+
+        for pool in ("prefill", "decode", "front"):
+            wait_for(lambda pool=pool: mark_pods_ready(kube, ns, pool) >= 1, f"{pool} pods")
+
+        def ready():
+            s = get_isvc(kube, ns, name).get("status") or {}
+            return s.get("ready") == "True" and s
+        st = wait_for(ready, "InferenceService Ready=True")
+        assert st["prefill"]["replicas"] == "1/1" and st["decode"]["replicas"] == "1/1"
+        assert st["endpoint"] == f"http://{name}.{ns}.svc.cluster.local:8000"
+        assert st["observedGeneration"] == get_isvc(kube, ns, name)["metadata"]["generation"]
+
+        # A spec change rolls the pools: new GPU count, HPA bounds, decode autoscaling off.
+        kube.merge_patch(API, "InferenceService", ns, name, {"spec": {
+            "prefill": {"gpus": 4, "autoscaling": {"maxReplicas": 6}},
+            "decode": {"replicas": 2, "autoscaling": {"enabled": False}}}})
+        wait_for(lambda: kube.get("apps/v1", "Deployment", ns, f"{name}-prefill")["spec"]["template"]["spec"]
+                 ["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4", "prefill GPUs 4")
+        wait_for(lambda: kube.get("autoscaling/v2beta2", "HorizontalPodAutoscaler", ns,
+                                  f"{name}-prefill")["spec"]["maxReplicas"] == 6, "prefill HPA max 6")
+        wait_for(lambda: kube.get("autoscaling/v2beta2", "HorizontalPodAutoscaler", ns, f"{name}-decode") is None,
+                 "decode HPA removed")
+        wait_for(lambda: kube.get("apps/v1", "Deployment", ns, f"{name}-decode")["spec"]["replicas"] == 2,
+                 "decode replicas 2")
+        wait_for(lambda: get_isvc(kube, ns, name)["status"]["decode"]["desiredReplicas"] == 2, "status desired 2")
+    assert runner.exception is None
+
+    # Operator down: the spec changes anyway; a restarted operator converges.
+    kube.merge_patch(API, "InferenceService", ns, name, {"spec": {"front": {"replicas": 3}}})
+    kube.request("DELETE", f"/apis/policy/v1beta1/namespaces/{ns}/poddisruptionbudgets/{name}-decode")
+    with run_operator() as runner:
+        wait_for(lambda: kube.get("apps/v1", "Deployment", ns, f"{name}-front")["spec"]["replicas"] == 3,
+                 "front replicas 3 after restart")
+        assert kube.get("policy/v1beta1", "PodDisruptionBudget", ns, f"{name}-decode") is not None
+
+        kube.request("DELETE", f"/apis/{API}/namespaces/{ns}/inferenceservices/{name}")
+
+        def collected():
+            left = [kube.get("apps/v1", "Deployment", ns, f"{name}-{p}") for p in ("prefill", "decode", "front")]
+            left += [kube.get("v1", "Service", ns, name), kube.get("v1", "Secret", ns, f"{name}-nats"),
+                     kube.get("autoscaling/v2beta2", "HorizontalPodAutoscaler", ns, f"{name}-prefill"),
+                     kube.get("policy/v1beta1", "PodDisruptionBudget", ns, f"{name}-prefill")]
+            return all(x is None for x in left)
+        wait_for(collected, "children garbage-collected")
+    assert runner.exception is None
+
+
+def _kubectl_apply(k8s_tool, k8s_cluster, obj: dict):
+    return subprocess.run([k8s_tool("kubectl"), "--kubeconfig", k8s_cluster.kubeconfig, "apply", "-f", "-"],
+                          input=yaml.safe_dump(obj), capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"model": None}, "spec.model: Required value"),
+    ({"prefill": {"replicas": "two"}}, "spec.prefill.replicas: Invalid value"),
+    ({"kvTransfer": {"compression": "zstd"}}, 'spec.kvTransfer.compression: Unsupported value: "zstd"'),
+    ({"decode": {"gpus": -1}}, "spec.decode.gpus: Invalid value: -1"),
+    ({"model": {"pvc": "models"}}, "spec.model.path: Required value"),
+])
+def test_schema_refuses_invalid_objects(kube, k8s_namespace, spec, message):
+    body = isvc("bad", k8s_namespace)
+    body["spec"].update(spec)
+    body["spec"] = {k: v for k, v in body["spec"].items() if v is not None}
+    with pytest.raises(client.ApiException) as err:
+        kube.create(body)
+    assert err.value.status == 422
+    assert message in err.value.body
+
+
+def test_unknown_fields_refused_by_kubectl_and_pruned_by_server(kube, k8s_namespace, k8s_tool, k8s_cluster):
+    body = isvc("typo", k8s_namespace, decode={"replica": 3})
+    out = _kubectl_apply(k8s_tool, k8s_cluster, body)
+    assert out.returncode != 0 and 'unknown field "spec.decode.replica"' in out.stderr, out.stderr
+    # A client that skips validation: the structural schema prunes the unknown field (v1.20 has
+    # no server-side strict field validation), so it can never reach the operator.
+    kube.create(body)
+    assert "replica" not in get_isvc(kube, k8s_namespace, "typo")["spec"]["decode"]
+
+
+def _webhook_certs(tmp: Path) -> tuple[str, str, str]:
+    """A CA and a server certificate for 127.0.0.1, generated here (the apiserver must trust it)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdserve-test-ca")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    (tmp / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp / "tls.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))
+    return str(tmp / "tls.crt"), str(tmp / "tls.key"), ca.public_bytes(serialization.Encoding.PEM).decode()
+
+
+def test_webhook_refuses_cross_field_mistakes_and_reconciler_reports_bypass(
+        kube, operator_env, k8s_namespace, tmp_path, monkeypatch):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cert, key, ca = _webhook_certs(tmp_path)
+    monkeypatch.setenv("PDSERVE_WEBHOOK_CERT", cert)
+    monkeypatch.setenv("PDSERVE_WEBHOOK_KEY", key)
+    monkeypatch.setenv("PDSERVE_WEBHOOK_PORT", str(port))
+    monkeypatch.setenv("PDSERVE_WEBHOOK_ADDR", "127.0.0.1")
+    ns = k8s_namespace
+    kube.request("PATCH", f"/api/v1/namespaces/{ns}", {"metadata": {"labels": {"pdserve-webhook": "on"}}},
+                 content_type="application/merge-patch+json")
+    vwc = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+           "metadata": {"name": f"pdserve-test-{ns}"},
+           "webhooks": [{
+               "name": "validate.inferenceservices.pdserve.io",
+               "clientConfig": {"url": f"https://127.0.0.1:{port}/validate-inferenceservice",
+                                "caBundle": base64.b64encode(ca.encode()).decode()},
+               "rules": [{"apiGroups": ["pdserve.io"], "apiVersions": ["v1alpha1"],
+                          "operations": ["CREATE", "UPDATE"], "resources": ["inferenceservices"]}],
+               "namespaceSelector": {"matchLabels": {"pdserve-webhook": "on"}},
+               "failurePolicy": "Fail", "sideEffects": "None", "admissionReviewVersions": ["v1"],
+               "timeoutSeconds": 10}]}
+    vwc_path = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
+    kube.request("POST", vwc_path, vwc)
+    bypass_ns = f"{ns}-nowebhook"
+    kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": bypass_ns}})
+    try:
+        with run_operator() as runner:
+            # The webhook may take a moment to listen: wait until a valid object is admitted.
+            wait_for(lambda: kube.create(isvc("good", ns)), "webhook admitting a valid object")
+            cases = [
+                ({"decode": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}},
+                 "spec.decode.autoscaling.minReplicas (5) is greater than spec.decode.autoscaling.maxReplicas (2)"),
+                ({"decode": {"kv": {"dtype": "float16"}}},
+                 "spec.prefill.kv.dtype (bfloat16) differs from spec.decode.kv.dtype (float16)"),
+                ({"model": {"path": "m", "pvc": "p", "tokenizer": "llama3"},
+                  "speculation": {"method": "draft", "draft": {"path": "d", "tokenizer": "gpt2"}}},
+                 "must share the target's tokenizer"),
+            ]
+            for spec, message in cases:
+                with pytest.raises(client.ApiException) as err:
+                    kube.create(isvc("bad", ns, **spec))
+                assert err.value.status == 422, err.value.body
+                assert "denied the request" in err.value.body and message in err.value.body
+            # An UPDATE that breaks a rule is refused too, and the stored object is unchanged.
+            with pytest.raises(client.ApiException) as err:
+                kube.merge_patch(API, "InferenceService", ns, "good", {"spec": {"prefill": {"kv": {"blockSize": 32}}}})
+            assert "same KV block size" in err.value.body
+            assert get_isvc(kube, ns, "good")["spec"]["prefill"]["kv"]["blockSize"] == 16
+
+            # Where the webhook does not reach, the reconciler refuses to build pools and says why.
+            kube.create(isvc("mismatch", bypass_ns, decode={"kv": {"dtype": "float16"}}))
+
+            def degraded():
+                conds = (get_isvc(kube, bypass_ns, "mismatch").get("status") or {}).get("conditions") or []
+                return next((c for c in conds if c["type"] == "Degraded" and c["status"] == "True"), None)
+            cond = wait_for(degraded, "Degraded condition")
+            assert cond["reason"] == "InvalidSpec" and "kv.dtype" in cond["message"]
+            assert kube.get("apps/v1", "Deployment", bypass_ns, "mismatch-decode") is None
+            events = wait_for(lambda: [e for e in kube.request("GET", f"/api/v1/namespaces/{bypass_ns}/events")["items"]
+                                       if e.get("reason") == "InvalidSpec"], "InvalidSpec event")
+            assert events[0]["type"] == "Warning" and "kv.dtype" in events[0]["message"]
+        assert runner.exception is None
+    finally:
+        kube.request("DELETE", f"{vwc_path}/pdserve-test-{ns}")
+        kube.request("DELETE", f"/api/v1/namespaces/{bypass_ns}")

@@ -1,0 +1,153 @@
+"""The Helm chart offline: `helm lint`, the values schema, and `helm template` output validated
+with kubernetes-validate --strict against several Kubernetes versions; examples against the CRD.
+Needs helm (scripts/k8s-tools.sh caches it); skipped with the reason when it is absent."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "pdserve"
+K8S_VERSIONS = ["1.28.0", "1.31.0", "1.34.0"]
+
+pytestmark = pytest.mark.k8s
+
+NON_DEFAULT = ["--set", "nats.enabled=false", "--set", "nats.external.url=nats://nats.infra:4222",
+               "--set", "nats.external.existingSecret=infra-nats", "--set", "webhook.enabled=false",
+               "--set", "operator.watchNamespaces={ml,research}", "--set", "operator.verbose=true",
+               "--set", "image.tag=0.1.1", "--set", "serviceAccount.name=pdserve-op",
+               "--set", "operator.podAnnotations.team=ml"]
+
+
+def _helm() -> str:
+    cached = Path.home() / ".cache/pdserve/k8s/bin/helm"
+    path = str(cached) if cached.exists() else shutil.which("helm")
+    if not path:
+        pytest.skip("helm absent; run scripts/k8s-tools.sh")
+    return path
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([_helm(), *args], capture_output=True, text=True, check=check)
+
+
+def render(*extra: str) -> list[dict]:
+    out = helm("template", "rel", str(CHART), "--namespace", "pdserve-system", "--include-crds", *extra).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_helm_lint_default_and_non_default():
+    helm("lint", str(CHART), "--strict")
+    helm("lint", str(CHART), "--strict", *NON_DEFAULT)
+
+
+def test_values_schema_refuses_bad_values():
+    bad = helm("template", "rel", str(CHART), "--set", "webhook.failurePolicy=Maybe", check=False)
+    assert bad.returncode != 0 and "failurePolicy" in bad.stderr
+    bad = helm("template", "rel", str(CHART), "--set", "nats.enabled=false", check=False)
+    assert bad.returncode != 0 and "existingSecret" in bad.stderr
+    bad = helm("template", "rel", str(CHART), "--set", "operator.replica=2", check=False)
+    assert bad.returncode != 0 and "replica" in bad.stderr
+
+
+@pytest.mark.parametrize("values", [[], NON_DEFAULT], ids=["default", "non-default"])
+def test_rendered_manifests_validate_strictly(values, tmp_path):
+    if importlib.util.find_spec("kubernetes_validate") is None:
+        pytest.skip("kubernetes-validate absent; run scripts/k8s-tools.sh")
+    docs = render(*values)
+    files = []
+    for i, d in enumerate(docs):
+        f = tmp_path / f"{i:02d}-{d['kind']}.yaml"
+        f.write_text(yaml.safe_dump(d))
+        files.append(str(f))
+    for version in K8S_VERSIONS:
+        r = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k", version, *files],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"k8s {version}:\n{r.stdout}\n{r.stderr}"
+
+
+def test_default_render_is_secure_and_complete():
+    docs = render()
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("CustomResourceDefinition", "inferenceservices.pdserve.io") in kinds
+    assert ("ValidatingWebhookConfiguration", "rel-pdserve-pdserve-system") in kinds
+    assert ("Deployment", "rel-pdserve-nats") in kinds and ("Deployment", "rel-pdserve-operator") in kinds
+    op = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pdserve-operator")
+    pod = op["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["PDSERVE_NATS_URL"] == "nats://rel-pdserve-nats.pdserve-system.svc.cluster.local:4222"
+    assert env["PDSERVE_IMAGE"] == "ghcr.io/pdserve/pdserve:0.1.0"
+    # NATS: auth on, JetStream in memory, no PVC anywhere, password generated (not a fixed default).
+    conf = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["nats.conf"]
+    assert "authorization" in conf and "max_file_store: 0" in conf and "$NATS_PASSWORD" in conf
+    assert not any(d["kind"] in ("PersistentVolumeClaim", "StatefulSet") for d in docs)
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "rel-pdserve-nats-credentials")
+    assert len(secret["data"]["password"]) >= 40
+    again = next(d for d in render() if d["kind"] == "Secret" and d["metadata"]["name"] == secret["metadata"]["name"])
+    assert again["data"]["password"] != secret["data"]["password"]  # random, not a fixed default
+    # RBAC: nothing cluster-admin-like.
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+    # Webhook: the bundled CA signs the served certificate (same render).
+    vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
+    tls = next(d for d in docs if d["kind"] == "Secret" and d["type"] == "kubernetes.io/tls")
+    assert vwc["webhooks"][0]["clientConfig"]["caBundle"] == tls["data"]["ca.crt"]
+    assert vwc["webhooks"][0]["clientConfig"]["service"]["path"] == "/validate-inferenceservice"
+
+
+def test_non_default_render_uses_external_nats_and_no_webhook():
+    docs = render(*NON_DEFAULT)
+    assert not any(d["kind"] == "ValidatingWebhookConfiguration" for d in docs)
+    assert not any(d["metadata"]["name"].endswith("-nats") for d in docs if d["kind"] == "Deployment")
+    op = next(d for d in docs if d["kind"] == "Deployment")
+    c = op["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["PDSERVE_NATS_URL"] == "nats://nats.infra:4222" and env["PDSERVE_NATS_SECRET"] == "infra-nats"
+    assert c["args"] == ["--namespace=ml", "--namespace=research", "--verbose"]
+    assert c["image"] == "ghcr.io/pdserve/pdserve:0.1.1"
+    assert op["spec"]["template"]["spec"]["serviceAccountName"] == "pdserve-op"
+
+
+def test_chart_crd_matches_the_operator():
+    from pdserve.operator import crd
+
+    assert yaml.safe_load((CHART / "crds/inferenceservices.yaml").read_text()) == crd.crd()
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_are_valid_inferenceservices(example):
+    """Examples validate against the CRD's own openAPIV3Schema and the cross-field rules."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from pdserve.operator import crd
+    from pdserve.operator.validation import validate_spec
+
+    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+    def strict(s):  # no unknown fields, like kubectl --validate=strict
+        s = dict(s)
+        if s.get("type") == "object" and "properties" in s and not s.get("x-kubernetes-preserve-unknown-fields"):
+            s["additionalProperties"] = False
+        if "properties" in s:
+            s["properties"] = {k: strict(v) for k, v in s["properties"].items()}
+        if isinstance(s.get("items"), dict):
+            s["items"] = strict(s["items"])
+        s.pop("x-kubernetes-int-or-string", None)
+        s.pop("x-kubernetes-preserve-unknown-fields", None)
+        if s.get("exclusiveMinimum") is True:
+            s.pop("exclusiveMinimum")
+        return s
+
+    docs = [d for d in yaml.safe_load_all(example.read_text()) if d]
+    isvcs = [d for d in docs if d["kind"] == "InferenceService"]
+    assert isvcs
+    for d in isvcs:
+        jsonschema.validate(d, strict(schema))
+        assert validate_spec(d["spec"]) == []
