@@ -15,6 +15,7 @@ PLURALS = {
     "Deployment": "deployments", "Service": "services", "Secret": "secrets",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers", "PodDisruptionBudget": "poddisruptionbudgets",
     "InferenceService": "inferenceservices", "Event": "events", "Pod": "pods",
+    "ServiceAccount": "serviceaccounts",
 }
 
 
