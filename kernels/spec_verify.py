@@ -207,6 +207,10 @@ def verify_reference(target_logits, draft_token_ids, num_draft_tokens, draft_pro
 # --------------------------------------------------------------------------------------------------
 
 
+# Every division below is tl.math.div_rn (IEEE round-to-nearest), as torch divides: the GPU's default
+# fp32 '/' is approximate, and the kernel must reach the reference's decisions, not merely close ones.
+
+
 @triton.jit
 def _key_of(x):
     # float32 -> int32 whose signed order is the float order (negative floats: flip the magnitude bits)
@@ -243,7 +247,7 @@ def _row_max_min(row_ptr, temp, V, BLOCK_V: tl.constexpr):
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
-        x = tl.load(row_ptr + offs, mask=mask, other=0.0) / temp
+        x = tl.math.div_rn(tl.load(row_ptr + offs, mask=mask, other=0.0), temp)
         mx = tl.maximum(mx, tl.max(tl.where(mask, x, float("-inf")), axis=0))
         mn = tl.minimum(mn, tl.min(tl.where(mask, x, float("inf")), axis=0))
     return mx, mn
@@ -255,7 +259,7 @@ def _count_at_least(row_ptr, temp, thresh, V, BLOCK_V: tl.constexpr):
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
-        x = tl.load(row_ptr + offs, mask=mask, other=0.0) / temp
+        x = tl.math.div_rn(tl.load(row_ptr + offs, mask=mask, other=0.0), temp)
         cnt += tl.sum((mask & (x >= thresh)).to(tl.int32), axis=0)
     return cnt
 
@@ -267,7 +271,7 @@ def _mass_at_least(row_ptr, temp, mx, thresh, V, BLOCK_V: tl.constexpr):
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
-        x = tl.load(row_ptr + offs, mask=mask, other=0.0) / temp
+        x = tl.math.div_rn(tl.load(row_ptr + offs, mask=mask, other=0.0), temp)
         keep = mask & (x >= thresh)
         mass += tl.sum(tl.where(keep, tl.exp(tl.where(keep, x, mx) - mx), 0.0), axis=0)
     return mass
@@ -316,17 +320,17 @@ def _race(row_ptr, temp, mx, thresh, z, noise_ptr, q_ptr, draft, use_q, V,
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
-        x = tl.load(row_ptr + offs, mask=mask, other=0.0) / temp
+        x = tl.math.div_rn(tl.load(row_ptr + offs, mask=mask, other=0.0), temp)
         keep = mask & (x >= thresh)
-        p = tl.where(keep, tl.exp(tl.where(keep, x, mx) - mx) / z, 0.0)
+        p = tl.where(keep, tl.math.div_rn(tl.exp(tl.where(keep, x, mx) - mx), z), 0.0)
         if HAS_DRAFT_PROBS:
             q = tl.load(q_ptr + offs, mask=mask & ((offs * 0 + use_q.to(tl.int32)) != 0), other=0.0)
         else:
             q = tl.where(use_q & (offs == draft), 1.0, 0.0)
         r = tl.maximum(p - q, 0.0)
         noise = tl.load(noise_ptr + offs, mask=mask, other=1.0)
-        score_p = tl.where(mask, p / noise, -1.0)
-        score_r = tl.where(mask, r / noise, -1.0)
+        score_p = tl.where(mask, tl.math.div_rn(p, noise), -1.0)
+        score_r = tl.where(mask, tl.math.div_rn(r, noise), -1.0)
         res_mass += tl.sum(r, axis=0)
         bp = tl.max(score_p, axis=0)
         ip = tl.argmax(score_p, axis=0).to(tl.int32) + start
@@ -372,8 +376,8 @@ def _spec_verify_kernel(
         else:
             mx, thresh, z = _row_distribution(row_ptr, safe_temp, top_k, top_p, V, BLOCK_V)
             safe_draft = tl.where(drafting, draft, 0)
-            x_draft = tl.load(row_ptr + safe_draft) / safe_temp
-            p_x = tl.where(x_draft >= thresh, tl.exp(tl.where(x_draft >= thresh, x_draft, mx) - mx) / z, 0.0)
+            x_draft = tl.math.div_rn(tl.load(row_ptr + safe_draft), safe_temp)
+            p_x = tl.where(x_draft >= thresh, tl.math.div_rn(tl.exp(tl.where(x_draft >= thresh, x_draft, mx) - mx), z), 0.0)
             if HAS_DRAFT_PROBS:
                 q_x = tl.load(draft_probs_ptr + (b * K + j) * V + safe_draft, mask=drafting, other=1.0)
             else:
