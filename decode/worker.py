@@ -123,9 +123,9 @@ class DecodeWorker(WorkerBase):
         await msg.respond(HandoffReply(accepted=True, worker_id=self.worker_id, transfer_token=token,
                                        data_addr=self.receiver.address).encode())
         self.m_handoffs.labels("accepted").inc()
-        self.spawn(self._receive(offer, token, need))
+        self.spawn(self._receive(offer, token, need, time.monotonic()))
 
-    async def _receive(self, offer: HandoffOffer, token: str, reserved: int) -> None:
+    async def _receive(self, offer: HandoffOffer, token: str, reserved: int, accepted_at: float) -> None:
         stream = TextStream(self.runner.tokenizer, offer.sampling, self.runner.eos_token_ids,
                             generated=offer.generated_token_ids)
         seq = Sequence(offer, None, stream, offer.next_seq, list(offer.generated_token_ids), kv_bytes=reserved)
@@ -135,7 +135,9 @@ class DecodeWorker(WorkerBase):
                 seq.cache = await self.compute(self.runner.blocks_to_cache, kv)
                 del kv
                 self.m_kv_bytes.inc(stats["bytes"])
-                await self._emit(seq, kind="handoff", kv_bytes=stats["bytes"], kv_seconds=stats["seconds"])
+                # handoff time as decode sees it: offer accepted -> KV in place, ready to decode
+                await self._emit(seq, kind="handoff", kv_bytes=stats["bytes"],
+                                 kv_seconds=time.monotonic() - accepted_at)
             except TransferError as e:
                 if offer.failure_policy != "recompute":
                     await self._emit(seq, kind="error", error=f"KV handoff failed: {e}", error_type="kv_transfer_error",

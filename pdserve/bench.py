@@ -1,0 +1,120 @@
+"""`pdserve bench`: the disaggregated path vs in-process `transformers` generate, side by side in one run.
+
+For each prompt: TTFT and decode tokens/s of both, and the KV handoff (bytes, seconds, GB/s)
+with its size relative to TTFT. Torch runs one thread everywhere (workers and the baseline):
+on these 2-core machines two threads made small matmuls slower under load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+MODEL_PROMPTS = {
+    "chat-40": [{"role": "user", "content": "Explain in two sentences why the sky is blue."}],
+    "doc-300": None,  # filled from the long prompt's head
+    "doc-1000": None,
+}
+
+
+def _prompts(tok) -> dict[str, list[int]]:
+    long_text = (Path(__file__).resolve().parents[1] / "tests" / "data" / "long_prompt.txt").read_text()
+    long_ids = tok.encode(long_text, add_special_tokens=False)
+    tail = tok.encode("\n\nSummarise the text above in one sentence:", add_special_tokens=False)
+    chat = tok.encode(tok.apply_chat_template(MODEL_PROMPTS["chat-40"], add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)
+    return {"chat-40": chat, "doc-300": long_ids[:300 - len(tail)] + tail, "doc-1000": long_ids[:1000 - len(tail)] + tail}
+
+
+def _hf(model, ids: list[int], n: int, repeats: int) -> dict:
+    x = torch.tensor([ids])
+    t1, tn = [], []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=1, do_sample=False, pad_token_id=0)
+            t1.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            tn.append(time.perf_counter() - t0)
+    ttft, total = statistics.median(t1), statistics.median(tn)
+    return {"ttft_s": ttft, "decode_tok_s": (n - 1) / max(1e-9, total - ttft)}
+
+
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _pdserve(url: str, model: str, ids: list[int], n: int, repeats: int) -> dict:
+    ttfts, rates, kv_s, kv_b = [], [], [], []
+    for _ in range(repeats):
+        b0, s0 = _metric(url, "pdserve_kv_transfer_bytes_total"), _metric(url, "pdserve_kv_transfer_seconds_sum")
+        body = json.dumps({"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                           "stream": True}).encode()
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        stamps = []
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for raw in r:
+                if raw.startswith(b"data: {") and b'"finish_reason": null' in raw:
+                    stamps.append(time.perf_counter())
+        ttfts.append(stamps[0] - t0)
+        rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+        kv_b.append(_metric(url, "pdserve_kv_transfer_bytes_total") - b0)
+        kv_s.append(_metric(url, "pdserve_kv_transfer_seconds_sum") - s0)
+    return {"ttft_s": statistics.median(ttfts), "decode_tok_s": statistics.median(rates),
+            "kv_bytes": statistics.median(kv_b), "kv_handoff_s": statistics.median(kv_s)}
+
+
+def main(argv: list[str]) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pdserve.local import LocalCluster
+    from pdserve.modelstore import resolve_model
+
+    p = argparse.ArgumentParser(prog="pdserve bench")
+    p.add_argument("--model", default="default")
+    p.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    model_dir = resolve_model(a.model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = _prompts(tok)
+    print(f"pdserve bench: {model_dir.name}, {a.tokens} tokens/request, median of {a.repeats}, torch threads 1",
+          flush=True)
+    with LocalCluster(str(model_dir), worker_args={"decode": ["--spec-method", "none"]}) as cluster:
+        ours = {k: _pdserve(cluster.url, model_dir.name, ids, a.tokens, a.repeats) for k, ids in prompts.items()}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base = {k: _hf(model, ids, a.tokens, a.repeats) for k, ids in prompts.items()}
+    hdr = (f"{'prompt':<10}{'tokens':>7} | {'TTFT HF':>8} {'TTFT pd':>8} {'ratio':>6} | {'tok/s HF':>8} "
+           f"{'tok/s pd':>8} {'ratio':>6} | {'KV MiB':>7} {'handoff':>8} {'GB/s':>6} {'% TTFT':>7}")
+    print(hdr + "\n" + "-" * len(hdr))
+    rows = []
+    for k, ids in prompts.items():
+        o, b = ours[k], base[k]
+        gbps = o["kv_bytes"] / o["kv_handoff_s"] / 1e9 if o["kv_handoff_s"] else 0.0
+        row = {"prompt": k, "prompt_tokens": len(ids), "hf": b, "pdserve": o,
+               "ttft_ratio_pd_over_hf": o["ttft_s"] / b["ttft_s"],
+               "decode_ratio_pd_over_hf": o["decode_tok_s"] / b["decode_tok_s"],
+               "handoff_gb_s": gbps, "handoff_pct_of_ttft": 100 * o["kv_handoff_s"] / o["ttft_s"]}
+        rows.append(row)
+        print(f"{k:<10}{len(ids):>7} | {b['ttft_s']:>7.3f}s {o['ttft_s']:>7.3f}s {row['ttft_ratio_pd_over_hf']:>5.2f}x | "
+              f"{b['decode_tok_s']:>8.2f} {o['decode_tok_s']:>8.2f} {row['decode_ratio_pd_over_hf']:>5.2f}x | "
+              f"{o['kv_bytes'] / 2**20:>7.2f} {o['kv_handoff_s'] * 1e3:>6.1f}ms {gbps:>6.2f} "
+              f"{row['handoff_pct_of_ttft']:>6.1f}%")
+    print("TTFT pd: first token streamed by prefill (the handoff runs after it, in parallel with the client "
+          "reading it); '% TTFT' is the handoff's size relative to TTFT, i.e. what it would add on the critical path.")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2))
+    return 0
