@@ -189,18 +189,18 @@ def test_tiny_top_p_is_argmax(impl):
 
 def test_rejection_uses_residual_not_drafted_token():
     # deterministic draft rejected: the residual max(0, p - onehot) never re-emits the drafted token
-    vocab = 5
-    target = torch.zeros(50, 2, vocab)
+    vocab, n = 5, 12
+    target = torch.zeros(n, 2, vocab)
     target[:, 0] = torch.tensor([2.0, 1.0, 0.0, 0.0, 0.0])
-    drafts = torch.zeros(50, 1, dtype=torch.int64)  # token 0, p(0) ~ 0.6
+    drafts = torch.zeros(n, 1, dtype=torch.int64)  # token 0, p(0) ~ 0.6
     g = torch.Generator().manual_seed(0)
-    u, noise = draw_randomness(50, 1, vocab, generator=g)
+    u, noise = draw_randomness(n, 1, vocab, generator=g)
     u[:] = 0.999  # always rejected
-    case = (target, drafts, torch.ones(50, dtype=torch.int32), None, torch.ones(50), torch.zeros(50, dtype=torch.int32),
-            torch.ones(50), u, noise)
+    case = (target, drafts, torch.ones(n, dtype=torch.int32), None, torch.ones(n), torch.zeros(n, dtype=torch.int32),
+            torch.ones(n), u, noise)
     for impl in ("reference", "triton"):
         out, num_acc = verify(*case, impl=impl)
-        assert num_acc.tolist() == [0] * 50
+        assert num_acc.tolist() == [0] * n
         assert bool((out[:, 0] != 0).all()) and bool((out[:, 1] == -1).all())
 
 
