@@ -159,20 +159,29 @@ def limit_scale_up(current: int, desired: int, percent: float = 100.0, pods: int
 
 @dataclass
 class Stabilizer:
-    """Scale-down stabilisation: the highest recommendation seen in the last `window_s` seconds.
+    """The HPA's stabilisation windows (`behavior.scaleUp/scaleDown.stabilizationWindowSeconds`).
 
-    Scale-up takes effect at once (subject to `limit_scale_up`); scale-down waits until every
-    recommendation in the window agrees, as the HPA's `behavior.scaleDown.stabilizationWindowSeconds`.
+    Scale-down goes only as low as the highest recommendation of the last `window_s` seconds;
+    scale-up goes only as high as the lowest recommendation of the last `up_window_s` seconds
+    (0: at once), so a burst shorter than a pod's start-up does not buy pods that arrive after it.
     """
 
     window_s: float = 300.0
+    up_window_s: float = 0.0
     _recs: deque = field(default_factory=deque)
 
-    def __call__(self, now_s: float, recommendation: int) -> int:
+    def __call__(self, now_s: float, current: int, recommendation: int) -> int:
         self._recs.append((now_s, recommendation))
-        while self._recs and self._recs[0][0] < now_s - self.window_s:
+        horizon = max(self.window_s, self.up_window_s)
+        while self._recs and self._recs[0][0] < now_s - horizon:
             self._recs.popleft()
-        return max(r for _, r in self._recs)
+        down = max(r for t, r in self._recs if t >= now_s - self.window_s)
+        up = min(r for t, r in self._recs if t >= now_s - self.up_window_s)
+        if current < up:
+            return up
+        if current > down:
+            return down
+        return current
 
 
 @dataclass
@@ -188,6 +197,7 @@ class PairedPolicy:
     min_ratio: float = 0.5
     max_ratio: float = 4.0
     stabilization_window_s: float = 300.0
+    scale_up_stabilization_s: float = 0.0
     scale_up_percent: float = 100.0
     scale_up_pods: int = 4
     _prefill_stab: Stabilizer = field(init=False)
@@ -195,8 +205,8 @@ class PairedPolicy:
 
     def __post_init__(self):
         ratio_bounds(1, 1, self.min_ratio, self.max_ratio)  # validates the band
-        self._prefill_stab = Stabilizer(self.stabilization_window_s)
-        self._decode_stab = Stabilizer(self.stabilization_window_s)
+        self._prefill_stab = Stabilizer(self.stabilization_window_s, self.scale_up_stabilization_s)
+        self._decode_stab = Stabilizer(self.stabilization_window_s, self.scale_up_stabilization_s)
 
     def step(
         self, now_s: float, prefill_current: int, decode_current: int, prefill: PrefillSignals, decode: DecodeSignals
@@ -204,6 +214,6 @@ class PairedPolicy:
         up = dict(percent=self.scale_up_percent, pods=self.scale_up_pods)
         p = limit_scale_up(prefill_current, prefill_desired(prefill_current, prefill, self.prefill_targets), **up)
         d = limit_scale_up(decode_current, decode_desired(decode_current, decode, self.decode_targets), **up)
-        p = self._prefill_stab(now_s, p)
-        d = self._decode_stab(now_s, d)
+        p = self._prefill_stab(now_s, prefill_current, p)
+        d = self._decode_stab(now_s, decode_current, d)
         return paired_replicas(p, d, self.prefill_targets, self.decode_targets, self.min_ratio, self.max_ratio)

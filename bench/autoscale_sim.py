@@ -76,6 +76,7 @@ class SimConfig:
     startup_s: float = 90.0
     sync_s: float = 15.0
     stabilization_s: float = 90.0  # scale-down window, both autoscaled policies
+    scale_up_stabilization_s: float = 15.0  # scale-up waits until the need has lasted this long
     scale_up_percent: float = 50.0  # scale-up limit per sync, both autoscaled policies
     scale_up_pods: int = 2
     dt_s: float = 1.0  # prefill is exact per prompt; decode is advanced as a fluid per step
@@ -83,7 +84,7 @@ class SimConfig:
     slo_itl_s: float = 0.050
     slo_target: float = 0.95
     # Paired-policy targets.
-    prefill_inflight_per_replica: float = 0.7
+    prefill_inflight_per_replica: float = 0.5
     prefill_ttft_target_s: float = 1.0
     decode_kv_utilization: float = 0.8
     decode_running_per_replica: float = 160.0
@@ -347,6 +348,7 @@ class PairedController:
             min_ratio=cfg.min_ratio,
             max_ratio=cfg.max_ratio,
             stabilization_window_s=cfg.stabilization_s,
+            scale_up_stabilization_s=cfg.scale_up_stabilization_s,
             scale_up_percent=cfg.scale_up_percent,
             scale_up_pods=cfg.scale_up_pods,
         )
@@ -371,8 +373,8 @@ class UtilizationController:
 
     def __init__(self, cfg: SimConfig):
         self.cfg = cfg
-        self.stab_p = Stabilizer(cfg.stabilization_s)
-        self.stab_d = Stabilizer(cfg.stabilization_s)
+        self.stab_p = Stabilizer(cfg.stabilization_s, cfg.scale_up_stabilization_s)
+        self.stab_d = Stabilizer(cfg.stabilization_s, cfg.scale_up_stabilization_s)
 
     def initial(self) -> tuple[int, int]:
         return self.cfg.min_prefill_replicas, self.cfg.min_decode_replicas
@@ -382,8 +384,8 @@ class UtilizationController:
         p_util = min(1.0, ps["busy_s"] / (max(p_cur, 1) * cfg.sync_s))
         d_util = min(1.0, ds["running"] / (max(d_cur, 1) * cfg.max_num_seqs))
         up = dict(percent=cfg.scale_up_percent, pods=cfg.scale_up_pods)
-        p = self.stab_p(t, limit_scale_up(p_cur, hpa_ratio_replicas(p_cur, p_util, cfg.util_target), **up))
-        d = self.stab_d(t, limit_scale_up(d_cur, hpa_ratio_replicas(d_cur, d_util, cfg.util_target), **up))
+        p = self.stab_p(t, p_cur, limit_scale_up(p_cur, hpa_ratio_replicas(p_cur, p_util, cfg.util_target), **up))
+        d = self.stab_d(t, d_cur, limit_scale_up(d_cur, hpa_ratio_replicas(d_cur, d_util, cfg.util_target), **up))
         return min(max(p, cfg.min_prefill_replicas), cfg.max_replicas), min(max(d, cfg.min_decode_replicas), cfg.max_replicas)
 
 
