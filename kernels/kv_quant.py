@@ -208,6 +208,7 @@ def pack_triton(kv: torch.Tensor, block_ids: torch.Tensor, fmt: str = "int8") ->
     _pack_kernel[(n * 2 * heads,)](
         kv, ids, payload.view(wire), scales, *kv.stride(), heads, head_dim, group,
         QMAX=QMAX[fmt], IS_FP8=fmt == "fp8", BLOCK=_block_for(group),
+        enable_fp_fusion=False,  # x * inv + 0.5 as an FMA would round differently from torch's two ops
     )
     return payload, scales
 
@@ -224,7 +225,7 @@ def unpack_triton(payload: torch.Tensor, scales: torch.Tensor, kv_out: torch.Ten
     ids = block_ids.to(device=kv_out.device, dtype=torch.int64).contiguous()
     _unpack_kernel[(n * 2 * heads,)](
         payload.view(wire), scales.float().contiguous(), kv_out, ids, *kv_out.stride(), heads, head_dim, group,
-        OUT_BF16=kv_out.dtype == torch.bfloat16, BLOCK=_block_for(group),
+        OUT_BF16=kv_out.dtype == torch.bfloat16, BLOCK=_block_for(group), enable_fp_fusion=False,
     )
 
 

@@ -431,6 +431,7 @@ def verify_triton(target_logits, draft_token_ids, num_draft_tokens, draft_probs,
         k, vocab,
         HAS_DRAFT_PROBS=has_q, BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(k + 1),
         num_warps=8 if block_v >= 2048 else 4,
+        enable_fp_fusion=False,  # op-by-op rounding, as the torch reference
     )
     return out, num_accepted
 
