@@ -263,3 +263,16 @@ def test_auto_picks_triton_under_the_interpreter():
     out, num_acc = verify(*case)
     ref = verify_reference(*case)
     assert torch.equal(out, ref[0]) and torch.equal(num_acc, ref[1])
+
+
+@pytest.mark.parametrize("filters", [(False, False), (True, True)], ids=["plain", "top-k+top-p"])
+def test_masked_vocabulary_minus_inf_logits(filters):
+    # models mask padded / banned tokens with -inf: they must never be emitted, and top-k larger than the
+    # number of finite logits must keep exactly the finite ones
+    case = list(make_case(21, 4, 3, 100, with_q=True, top_k_on=filters[0], top_p_on=filters[1], temps=(1.0, 0.0, 0.6)))
+    case[0][:, :, 60:] = float("-inf")
+    if filters[0]:
+        case[5][1:] = torch.tensor([70, 5, 99], dtype=torch.int32)
+    ref = assert_same(tuple(case))
+    out = ref[0]
+    assert bool(((out < 60) | (out == -1)).all())
