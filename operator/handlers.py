@@ -1,6 +1,8 @@
 """kopf handlers: thin wrappers that apply what `reconcile.py` computes and keep status current.
 
-- create/update/resume (+ a slow drift-repair timer) -> apply the desired children;
+- create/update/resume -> apply the desired children (resume repairs drift after a restart; a
+  child Deployment deleted by hand is recreated at once). No timers or deletion handlers: both
+  would need a finalizer, and an InferenceService must stay deletable with the operator gone;
 - Deployment events of our children -> InferenceService status, and prefill HPA bounds when a
   prefill:decode ratio is set;
 - validating admission webhook -> `validation.validate_spec` (same function the reconciler uses);
@@ -170,19 +172,14 @@ def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: loggi
     patch.status.update(status)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=120, initial_delay=120, idle=60)
-def repair_drift(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    """Recreate children deleted by hand, undo edits to them (slowly: kopf timers, not a hot loop)."""
-    patch.status.update(reconcile(_plain(body), memo, logger))
-
-
 def _plain(body: Any) -> dict:
     return {"metadata": dict(body["metadata"]), "spec": copy.deepcopy(dict(body["spec"])),
             "status": copy.deepcopy(dict(body.get("status") or {}))}
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-def child_deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+def child_deployment_changed(body: kopf.Body, event: dict, memo: kopf.Memo, logger: logging.Logger,
+                             **_: Any) -> None:
     """Keep the owner's status (and the ratio-bound prefill HPA) current as its pools change."""
     labels = body["metadata"].get("labels") or {}
     name, ns = labels.get(f"{GROUP}/inferenceservice"), body["metadata"]["namespace"]
@@ -191,6 +188,11 @@ def child_deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.L
     kube: Kube = memo.kube
     isvc = kube.get(ISVC_API, "InferenceService", ns, name)
     if not isvc or isvc["metadata"].get("deletionTimestamp"):
+        return
+    if event.get("type") == "DELETED" and _owned_by(body, isvc["metadata"]["uid"]):
+        logger.info(f"Deployment {body['metadata']['name']} deleted; recreating it")
+        status = reconcile(isvc, memo, logger)
+        kube.merge_patch(ISVC_API, "InferenceService", ns, name, {"status": status}, sub="status")
         return
     errors = validate_spec(isvc["spec"])
     status = compute_status(isvc, _deployments(kube, ns, name), errors, _now(), memo.base_config)

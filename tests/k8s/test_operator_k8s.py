@@ -156,6 +156,12 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
         assert st["endpoint"] == f"http://{name}.{ns}.svc.cluster.local:8000"
         assert st["observedGeneration"] == get_isvc(kube, ns, name)["metadata"]["generation"]
 
+        # A child deleted by hand comes back.
+        old_uid = kube.get("apps/v1", "Deployment", ns, f"{name}-prefill")["metadata"]["uid"]
+        kube.request("DELETE", f"/apis/apps/v1/namespaces/{ns}/deployments/{name}-prefill")
+        wait_for(lambda: (kube.get("apps/v1", "Deployment", ns, f"{name}-prefill") or {"metadata": {"uid": old_uid}})
+                 ["metadata"]["uid"] != old_uid, "prefill Deployment recreated")
+
         # A spec change rolls the pools: new GPU count, HPA bounds, decode autoscaling off.
         kube.merge_patch(API, "InferenceService", ns, name, {"spec": {
             "prefill": {"gpus": 4, "autoscaling": {"maxReplicas": 6}},
