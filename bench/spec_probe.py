@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=0, help="override each prompt's max_new_tokens")
     ap.add_argument("--max-k", type=int, default=8)
     ap.add_argument("--min-n", type=int, default=2)
-    ap.add_argument("--max-n", type=int, default=6)
+    ap.add_argument("--max-n", type=int, default=8)
+    ap.add_argument("--min-reach", type=float, default=0.25, help="n-gram confidence trimming (0 = off)")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     eos_ids.discard(None)
 
     controller = SpeculationController(method="ngram")
-    drafter = NgramDrafter(min_n=args.min_n, max_n=args.max_n)
+    drafter = NgramDrafter(min_n=args.min_n, max_n=args.max_n, min_reach=args.min_reach)
     # calibrate the latency model a little so the first request does not run on priors alone
     warm = tok("Hello there, how are you today?")["input_ids"]
     plain_greedy(model, warm, 8, eos_ids, controller)
@@ -182,13 +183,22 @@ def main(argv: list[str] | None = None) -> int:
     for wl in get_workloads(args.workloads):
         prompts = wl.prompts[: args.limit] if args.limit else wl.prompts
         agg = {"plain_tokens": 0, "plain_s": 0.0, "spec_tokens": 0, "spec_s": 0.0, "drafted": 0,
-               "accepted": 0, "steps": 0, "mismatches": 0}
-        for p in prompts:
+               "accepted": 0, "steps": 0, "mismatches": 0,
+               "plain_wall_s": 0.0, "spec_wall_s": 0.0}
+        for pi, p in enumerate(prompts):
             ids = tok(p.render(tok), add_special_tokens=False)["input_ids"]
             max_new = args.max_new_tokens or p.max_new_tokens
-            plain = plain_greedy(model, ids, max_new, eos_ids, controller)
-            spec = speculative_greedy(model, tok, ids, max_new, eos_ids, drafter, controller,
-                                      f"{wl.name}/{p.name}", max_k=args.max_k)
+            # alternate which runs first, so warm-up and neighbours' load do not favour one side
+            def run_spec():
+                return speculative_greedy(model, tok, ids, max_new, eos_ids, drafter, controller,
+                                          f"{wl.name}/{p.name}", max_k=args.max_k)
+
+            if pi % 2:
+                spec = run_spec()
+                plain = plain_greedy(model, ids, max_new, eos_ids, controller)
+            else:
+                plain = plain_greedy(model, ids, max_new, eos_ids, controller)
+                spec = run_spec()
             same = spec.tokens == plain.tokens
             for n, proposed, acc_n in spec.match_log:
                 st = match_stats.setdefault(n, [0, 0, 0])
@@ -198,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             agg["plain_s"] += plain.decode_seconds
             agg["spec_tokens"] += spec.decode_tokens
             agg["spec_s"] += spec.decode_seconds
+            agg["plain_wall_s"] += plain.wall_seconds
+            agg["spec_wall_s"] += spec.wall_seconds
             agg["drafted"] += spec.drafted
             agg["accepted"] += spec.accepted
             agg["steps"] += spec.steps
@@ -220,11 +232,14 @@ def main(argv: list[str] | None = None) -> int:
         ratio = s_tps / p_tps if p_tps else 0.0
         tps = agg["spec_tokens"] / agg["steps"] if agg["steps"] else 0.0
         verdict = "ok" if ratio >= wl.target_speedup else "BELOW"
+        wall_ratio = (agg["plain_wall_s"] / agg["spec_wall_s"] * agg["spec_tokens"] / max(agg["plain_tokens"], 1)
+                      if agg["spec_wall_s"] else 0.0)
         print(f"{wl.name:<12} {'ALL':<8} {agg['plain_tokens']:>4} {p_tps:>11.1f} {s_tps:>10.1f} {ratio:>6.2f} "
-              f"{acc:>6.2f} {tps:>8.2f} {str(agg['mismatches'] == 0):>5}   target {wl.target_speedup:.2f}x: {verdict}",
+              f"{acc:>6.2f} {tps:>8.2f} {str(agg['mismatches'] == 0):>5}   target {wl.target_speedup:.2f}x: {verdict}"
+              f" (wall-clock ratio {wall_ratio:.2f})",
               flush=True)
         rows.append({"workload": wl.name, "prompt": "ALL", "plain_tps": p_tps, "spec_tps": s_tps, "ratio": ratio,
-                     "acceptance": acc, "tokens_per_step": tps, "mismatches": agg["mismatches"],
+                     "acceptance": acc, "tokens_per_step": tps, "mismatches": agg["mismatches"], "wall_ratio": wall_ratio,
                      "target": wl.target_speedup})
     for n in sorted(match_stats):
         st = match_stats[n]
