@@ -416,6 +416,26 @@ class MetricsAdapter:
             self._runner = None
 
 
+def front_proxy_ca_from_cluster() -> str:
+    """Write the apiserver's requestheader client CA (from its well-known ConfigMap) to a file; return the path."""
+    import tempfile
+
+    from kubernetes import client, config
+
+    config.load_incluster_config()
+    cm = client.CoreV1Api().read_namespaced_config_map("extension-apiserver-authentication", "kube-system")
+    pem = (cm.data or {}).get("requestheader-client-ca-file")
+    if not pem:
+        raise SystemExit(
+            "kube-system/extension-apiserver-authentication has no requestheader-client-ca-file: the apiserver "
+            "runs without --requestheader-client-ca-file; drop --client-ca-from-cluster (metricsAdapter.requireFrontProxyCert=false)"
+        )
+    fd, path = tempfile.mkstemp(prefix="front-proxy-ca-", suffix=".crt")
+    with open(fd, "w") as f:
+        f.write(pem)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     """`pdserve metrics-adapter`: NATS credentials come from PDSERVE_NATS_USER/PDSERVE_NATS_PASSWORD."""
     ap = argparse.ArgumentParser(prog="pdserve metrics-adapter", description=__doc__.splitlines()[0])
@@ -425,9 +445,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cert", required=True, help="serving certificate (PEM)")
     ap.add_argument("--key", required=True, help="its private key (PEM)")
     ap.add_argument("--client-ca-file", default=None, help="front-proxy CA: require its client certificate on /apis")
+    ap.add_argument(
+        "--client-ca-from-cluster",
+        action="store_true",
+        help="in a pod: read the front-proxy CA from kube-system/extension-apiserver-authentication",
+    )
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format='{"level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}')
+
+    if args.client_ca_from_cluster:
+        args.client_ca_file = front_proxy_ca_from_cluster()
 
     async def run() -> None:
         adapter = MetricsAdapter(client_ca_file=args.client_ca_file)
