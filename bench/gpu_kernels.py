@@ -237,7 +237,7 @@ def main() -> int:
     if ARGS.smoke:
         check_sizes = [(3, 2, 100)]
         kv_check_shapes = [(4, 2, 4, 16)]
-        batches, ks, vocabs = _ints(ARGS.batches, [1, 2]), _ints(ARGS.ks, [1, 2]), _ints(ARGS.vocabs, [64])
+        batches, ks, vocabs = _ints(ARGS.batches, [2]), _ints(ARGS.ks, [2]), _ints(ARGS.vocabs, [64])
         modes = ["greedy", "sampled+top-p"]
         kv_shapes = [(8, 4, 2, 4, 16)]
         iters = ARGS.iters or 1
