@@ -353,7 +353,7 @@ class MetricsAdapter:
                 "metricName": metric,
                 "timestamp": _rfc3339(e.received_wall),
                 "value": quantity(mdef.read(e.report)),
-                **({"selector": selector} if selector else {}),
+                # No "selector": in v1beta1 it is a LabelSelector object, and the HPA needs none.
             }
             for e in sorted(entries, key=lambda e: e.report.pod)
         ]
