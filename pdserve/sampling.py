@@ -11,6 +11,8 @@ import hashlib
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pdserve.kernels.spec_verify import draw_randomness, process_logits
+
 MAX_STOP_STRINGS = 8
 
 
@@ -41,35 +43,35 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
 
-def _position_generator(seed: int, position: int) -> torch.Generator:
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator for the draw at generated position `position` of a request seeded `seed`."""
     digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits `[vocab]` → probabilities after temperature → top-k → top-p (ties at a threshold kept)."""
-    x = logits.float() / params.temperature
-    if 0 < params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, _ = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_p, 0)
-        # the smallest set of most-probable tokens whose mass reaches top_p; its last member is the threshold
-        cut = int(torch.searchsorted(cum, torch.tensor(params.top_p, dtype=cum.dtype)).clamp(max=cum.numel() - 1))
-        threshold = sorted_p[cut]
-        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum()
-    return probs
+def position_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """Exp(1) noise `[vocab]` for generated position `position`: the one source of randomness per token."""
+    return draw_randomness(1, 0, vocab, generator=position_generator(seed, position))[1][0]
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits `[n, vocab]` → the request's sampling distribution `[n, vocab]` (temperature → top-k → top-p)."""
+    n = logits.shape[0]
+    return process_logits(logits, torch.full((n,), params.temperature), torch.full((n,), params.top_k, dtype=torch.int32),
+                          torch.full((n,), params.top_p))
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, position: int, seed: int) -> int:
-    """Pick generated token number `position` (0-based) from logits `[vocab]`."""
+    """Pick generated token number `position` (0-based) from logits `[vocab]`.
+
+    Sampling is the exponential race argmax(p / E) with E ~ Exp(1) drawn from (seed, position):
+    exactly a draw from p, and the same draw whichever path (plain or speculative) reaches the
+    position — which is what lets speculative sampling reproduce plain sampling token for token.
+    """
     if params.greedy:
         return int(torch.argmax(logits))
-    probs = process_logits(logits, params)
-    return int(torch.multinomial(probs, 1, generator=_position_generator(seed, position)))
+    probs = processed_probs(logits.view(1, -1), params)[0]
+    return int(torch.argmax(probs / position_noise(seed, position, probs.numel())))
 
 
 class TextStream:
