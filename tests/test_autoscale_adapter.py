@@ -237,3 +237,40 @@ def test_prometheus_adapter_rules_serve_our_names():
         produced |= set(names) if rule["name"]["as"] == "${1}" else {rule["name"]["as"]}
     assert produced <= set(METRICS), produced - set(METRICS)
     assert set(METRICS) - produced == {"pdserve_prefill_inflight_prompts"}  # documented: no worker gauge for it
+
+
+def test_front_proxy_client_certificate_required_on_apis(nats_server, tmp_path):
+    """With --client-ca-file, /apis answers only a client holding a cert from that CA (the aggregator)."""
+    from pdserve.autoscale.certs import make_client_cert
+
+    serving = make_serving_cert(tmp_path / "serving", ["127.0.0.1"])
+    front_proxy = make_serving_cert(tmp_path / "front-proxy", ["front-proxy-ca"])
+    stranger = make_serving_cert(tmp_path / "stranger", ["other-ca"])
+    good = make_client_cert(front_proxy, tmp_path / "clients", "front-proxy-client")
+    bad = make_client_cert(stranger, tmp_path / "strangers", "intruder")
+
+    async def main():
+        adapter = MetricsAdapter(client_ca_file=str(front_proxy.ca_cert))
+        port = await adapter.start("127.0.0.1", 0, str(serving.cert), str(serving.key))
+        base = f"https://127.0.0.1:{port}"
+        try:
+            def ctx(client=None):
+                c = ssl.create_default_context(cafile=str(serving.ca_cert))
+                if client:
+                    c.load_cert_chain(str(client[0]), str(client[1]))
+                return c
+
+            async with aiohttp.ClientSession() as s:
+                async with s.get(base + CUSTOM, ssl=ctx()) as r:
+                    assert r.status == 401 and (await r.json())["reason"] == "Unauthorized"
+                async with s.get(base + "/healthz", ssl=ctx()) as r:
+                    assert r.status == 200  # probes carry no client certificate
+                async with s.get(base + CUSTOM, ssl=ctx(good)) as r:
+                    assert r.status == 200 and (await r.json())["kind"] == "APIResourceList"
+                with pytest.raises(aiohttp.ClientError):  # a cert from another CA fails the handshake
+                    async with s.get(base + CUSTOM, ssl=ctx(bad)) as r:
+                        await r.read()
+        finally:
+            await adapter.close()
+
+    asyncio.run(main())
