@@ -168,23 +168,32 @@ def test_hpa_scales_a_pool_on_our_custom_metric(k8s_cluster, k8s_api_client, k8s
         "spec": {"type": "ExternalName", "externalName": "127.0.0.1", "ports": [{"port": adapter_process["port"]}]},
     })
     apiservices = dyn.resources.get(api_version="apiregistration.k8s.io/v1", kind="APIService")
-    name = "v1beta1.custom.metrics.k8s.io"
-    apiservices.create(body={
-        "apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService", "metadata": {"name": name},
-        "spec": {
-            "group": "custom.metrics.k8s.io", "version": "v1beta1",
-            "service": {"namespace": ns, "name": adapter_process["service"], "port": adapter_process["port"]},
-            "caBundle": base64.b64encode(adapter_process["certs"].ca_cert.read_bytes()).decode(),
-            "groupPriorityMinimum": 100, "versionPriority": 100,
-        },
-    })
+    names = []
+    for group in ("custom.metrics.k8s.io", "external.metrics.k8s.io"):
+        names.append(f"v1beta1.{group}")
+        apiservices.create(body={
+            "apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService", "metadata": {"name": names[-1]},
+            "spec": {
+                "group": group, "version": "v1beta1",
+                "service": {"namespace": ns, "name": adapter_process["service"], "port": adapter_process["port"]},
+                "caBundle": base64.b64encode(adapter_process["certs"].ca_cert.read_bytes()).decode(),
+                "groupPriorityMinimum": 100, "versionPriority": 100,
+            },
+        })
     kubelet = FakeKubelet(core, ns, nats_server.creds)
+    kube_env = {**os.environ, "KUBECONFIG": k8s_cluster.kubeconfig}
+
+    def raw(path: str):
+        out = subprocess.run([kubectl, "get", "--raw", path], capture_output=True, text=True, env=kube_env)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
     try:
-        def available():
-            conds = (apiservices.get(name=name).to_dict().get("status") or {}).get("conditions") or []
-            return any(c["type"] == "Available" and c["status"] == "True" for c in conds) or conds
-        got = wait_for(available, "the APIService to become Available", 60)
-        assert got is True, f"APIService not available: {got}"
+        for name in names:
+            def available():
+                conds = (apiservices.get(name=name).to_dict().get("status") or {}).get("conditions") or []
+                return any(c["type"] == "Available" and c["status"] == "True" for c in conds) or conds
+            got = wait_for(available, f"the APIService {name} to become Available", 60)
+            assert got is True, f"APIService {name} not available: {got}"
 
         # 2. The pool: a Deployment the controller-manager turns into a ReplicaSet and Pods.
         apps.create_namespaced_deployment(ns, {
@@ -199,21 +208,19 @@ def test_hpa_scales_a_pool_on_our_custom_metric(k8s_cluster, k8s_api_client, k8s
         kubelet.start()
 
         def pods_reported():
-            out = subprocess.run(
-                [kubectl, "get", "--raw", f"/apis/custom.metrics.k8s.io/v1beta1/namespaces/{ns}/pods/*/{METRIC}"
-                 f"?labelSelector={SELECTOR.replace('/', '%2F').replace('=', '%3D').replace(',', '%2C')}"],
-                capture_output=True, text=True, env={**os.environ, "KUBECONFIG": k8s_cluster.kubeconfig},
-            )
-            if out.returncode != 0:
-                return False
-            doc = json.loads(out.stdout)
-            return doc if doc["items"] else False
+            doc = raw(f"/apis/custom.metrics.k8s.io/v1beta1/namespaces/{ns}/pods/*/{METRIC}"
+                      f"?labelSelector={SELECTOR.replace('/', '%2F').replace('=', '%3D').replace(',', '%2C')}")
+            return doc if doc and doc["items"] else False
 
         doc = wait_for(pods_reported, "kubectl get --raw to return our metric", 60)
         pods = {p.metadata.name for p in core.list_namespaced_pod(ns, label_selector=SELECTOR).items}
         assert doc["kind"] == "MetricValueList"
         assert {i["describedObject"]["name"] for i in doc["items"]} == pods and len(pods) == 1
         assert all(i["value"] == "1" and i["metricName"] == METRIC for i in doc["items"])
+        # The same signal per pool, through the external metrics API.
+        ext = raw(f"/apis/external.metrics.k8s.io/v1beta1/namespaces/{ns}/{METRIC}?labelSelector=isvc%3D{ISVC}%2Cpool%3D{POOL}")
+        assert ext["kind"] == "ExternalMetricValueList"
+        assert [(i["metricLabels"], i["value"]) for i in ext["items"]] == [({"isvc": ISVC, "pool": POOL}, "1")]
 
         # 3. The HPA: Pods metric, AverageValue 5 prompts per pod, no stabilisation delay (test speed).
         version = hpa_api_version(k8s_api_client)
@@ -259,7 +266,8 @@ def test_hpa_scales_a_pool_on_our_custom_metric(k8s_cluster, k8s_api_client, k8s
         kubelet.stop.set()
         if kubelet.is_alive():
             kubelet.join(10)
-        try:
-            apiservices.delete(name=name)
-        except Exception:
-            pass
+        for name in names:
+            try:
+                apiservices.delete(name=name)
+            except Exception:
+                pass
