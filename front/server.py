@@ -403,7 +403,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--nats-url", default=None)
-    p.add_argument("--host", default="127.0.0.1")
+    # In a pod (POD_IP from the downward API) listen on all interfaces; locally, loopback only.
+    p.add_argument("--host", default="0.0.0.0" if os.environ.get("POD_IP") else "127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dispatch-timeout", type=float, default=5.0, help="seconds for a prefill worker to accept")
     p.add_argument("--first-token-timeout", type=float, default=300.0, help="seconds of silence allowed before the first token")

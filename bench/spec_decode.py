@@ -1,0 +1,145 @@
+"""Speculative decoding benchmark through the real serving path (issue #4's acceptance table).
+
+For each workload in bench/workloads.py (free chat, code editing, agent traces) and each of its
+prompts, one run prints side by side: decode tokens/s and acceptance of
+  - pdserve plain decode (speculation disabled on the request),
+  - pdserve speculative decode (n-gram drafter, adaptive k),
+  - transformers assisted generation with prompt lookup (in-process, same greedy prompts),
+plus the ratios. Decode tokens/s counts tokens after the first one over the time after it, so
+prefill (the same work everywhere) is excluded. Greedy throughout, so all three generate the
+same tokens (checked). One torch thread everywhere.
+
+    python bench/spec_decode.py [--workloads code_edit agent_trace] [--limit 3] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.workloads import get_workloads  # noqa: E402
+
+
+def stream_request(url: str, model: str, messages, max_tokens: int, spec: bool) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True,
+            "speculation": {"enabled": spec}}
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first = last = None
+    text, usage = [], {}
+    with urllib.request.urlopen(req, timeout=900) as r:
+        for raw in r:
+            if not raw.startswith(b"data: {"):
+                continue
+            ev = json.loads(raw[6:])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev.get("choices", []):
+                if ch["delta"].get("content"):
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    text.append(ch["delta"]["content"])
+    n = usage.get("completion_tokens", 0)
+    spec_u = usage.get("speculation", {})
+    return {"tokens": n, "ttft_s": (first or t0) - t0, "decode_s": (last - first) if first else 0.0,
+            "text": "".join(text), "draft": spec_u.get("draft_tokens", 0), "accepted": spec_u.get("accepted_tokens", 0)}
+
+
+def hf_assisted(model, tok, messages, max_tokens: int, lookup: int) -> dict:
+    ids = torch.tensor([tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                                   add_special_tokens=False)])
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=tok.eos_token_id)
+        t1 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.eos_token_id,
+                             prompt_lookup_num_tokens=lookup)
+        t2 = time.perf_counter()
+    gen = out[0, ids.shape[1]:]
+    text = tok.decode(gen, skip_special_tokens=True)
+    return {"tokens": len(gen), "ttft_s": t1 - t0, "decode_s": max(1e-9, (t2 - t1) - (t1 - t0)), "text": text}
+
+
+def rate(r: dict) -> float:
+    return (r["tokens"] - 1) / r["decode_s"] if r["tokens"] > 1 and r["decode_s"] > 0 else float("nan")
+
+
+def main() -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pdserve.local import LocalCluster
+    from pdserve.modelstore import resolve_model
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="default")
+    p.add_argument("--workloads", nargs="*", default=None)
+    p.add_argument("--limit", type=int, default=None, help="prompts per workload")
+    p.add_argument("--max-k", type=int, default=8)
+    p.add_argument("--lookup", type=int, default=10, help="transformers prompt_lookup_num_tokens")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    model_dir = resolve_model(a.model)
+    name = model_dir.name
+    workloads = get_workloads(a.workloads)
+    results = []
+    with LocalCluster(str(model_dir), worker_args={"decode": ["--spec-method", "ngram", "--spec-max-k", str(a.max_k)]}) as c:
+        for w in workloads:
+            for wp in w.prompts[: a.limit]:
+                # warm the request's path once (first-request costs are not decode speed)
+                plain = stream_request(c.url, name, wp.messages, wp.max_new_tokens, spec=False)
+                spec = stream_request(c.url, name, wp.messages, wp.max_new_tokens, spec=True)
+                results.append({"workload": w.name, "prompt": wp.name, "plain": plain, "spec": spec})
+                print(f"  {w.name}/{wp.name}: plain {rate(plain):.2f} tok/s, spec {rate(spec):.2f} tok/s", flush=True)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    i = 0
+    for w in workloads:
+        for wp in w.prompts[: a.limit]:
+            results[i]["hf_assisted"] = hf_assisted(model, tok, wp.messages, wp.max_new_tokens, a.lookup)
+            i += 1
+
+    print(f"\nspeculative decoding, {name}, greedy, n-gram drafter (max k {a.max_k}) vs transformers prompt lookup "
+          f"({a.lookup}); decode tokens/s (after the first token), one torch thread")
+    hdr = (f"{'workload':<12} {'prompts':>7} {'tokens':>7} | {'plain':>7} {'spec':>7} {'HF-PL':>7} | "
+           f"{'spec/plain':>10} {'spec/HF':>8} | {'accept':>6} {'same':>5}")
+    print(hdr + "\n" + "-" * len(hdr))
+    summary = []
+    for w in workloads:
+        rows = [r for r in results if r["workload"] == w.name]
+        tok_total = sum(r["spec"]["tokens"] for r in rows)
+
+        def agg(key):  # total tokens over total decode time: long answers weigh more, as in serving
+            return sum(r[key]["tokens"] - 1 for r in rows) / sum(r[key]["decode_s"] for r in rows)
+
+        plain_r, spec_r, hf_r = agg("plain"), agg("spec"), agg("hf_assisted")
+        drafted = sum(r["spec"]["draft"] for r in rows)
+        acc = sum(r["spec"]["accepted"] for r in rows) / drafted if drafted else 0.0
+        same = all(r["spec"]["text"] == r["plain"]["text"] for r in rows)
+        s = {"workload": w.name, "prompts": len(rows), "tokens": tok_total, "plain_tok_s": plain_r,
+             "spec_tok_s": spec_r, "hf_prompt_lookup_tok_s": hf_r, "spec_over_plain": spec_r / plain_r,
+             "spec_over_hf": spec_r / hf_r, "acceptance": acc, "spec_equals_plain": same,
+             "target_spec_over_plain": w.target_speedup}
+        summary.append(s)
+        print(f"{w.name:<12} {len(rows):>7} {tok_total:>7} | {plain_r:>7.2f} {spec_r:>7.2f} {hf_r:>7.2f} | "
+              f"{s['spec_over_plain']:>9.2f}x {s['spec_over_hf']:>7.2f}x | {acc:>6.2f} {str(same):>5}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"summary": summary, "runs": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
