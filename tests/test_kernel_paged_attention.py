@@ -1,0 +1,124 @@
+"""Paged attention: the torch reference against dense causal SDPA, the Triton kernel (interpreter) against the reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.paged_attention import paged_attention, paged_attention_reference, paged_attention_triton, write_kv
+
+
+def make_batch(seed: int, *, kinds=("decode", "spec", "prefill"), num_seqs=5, q_heads=4, kv_heads=2, head_dim=16,
+               block_size=4, spare_blocks=3, dtype=torch.float32):
+    """A ragged batch over a pool whose blocks are handed out in shuffled order.
+
+    Returns (q, kv_pool, block_tables, seq_lens, query_start, dense) where dense[s] = (k, v) is sequence
+    s's KV as [kv_heads, L, head_dim], the ground truth the pool was filled from (through write_kv).
+    """
+    g = torch.Generator().manual_seed(seed)
+    lens, nqs = [], []
+    for s in range(num_seqs):
+        kind = kinds[s % len(kinds)]
+        length = int(torch.randint(1, 6 * block_size, (1,), generator=g))  # partial last blocks, often
+        n = {"decode": 1, "spec": min(length, 3), "prefill": int(torch.randint(1, length + 1, (1,), generator=g))}[kind]
+        lens.append(length)
+        nqs.append(n)
+    blocks_needed = [-(-length // block_size) for length in lens]
+    max_blocks = max(blocks_needed) + 1  # a spare column: entries past a sequence's blocks are ignored
+    num_blocks = sum(blocks_needed) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=g)  # non-contiguous, unordered block tables
+    kv_pool = torch.randn(num_blocks, 2, kv_heads, block_size, head_dim, generator=g).to(dtype)  # garbage in unused slots
+    block_tables = torch.full((num_seqs, max_blocks), 0, dtype=torch.int32)
+    block_tables[:, -1] = perm[-1]  # the spare column points at a real block full of garbage
+    dense = []
+    used = 0
+    for s, (length, nb) in enumerate(zip(lens, blocks_needed)):
+        table = perm[used:used + nb]
+        used += nb
+        block_tables[s, :nb] = table.to(torch.int32)
+        k = torch.randn(length, kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(length, kv_heads, head_dim, generator=g).to(dtype)
+        pos = torch.arange(length)
+        slots = table.to(torch.int64)[pos // block_size] * block_size + pos % block_size
+        write_kv(kv_pool, slots, k, v)
+        dense.append((k.transpose(0, 1), v.transpose(0, 1)))
+    q = torch.randn(sum(nqs), q_heads, head_dim, generator=g).to(dtype)
+    query_start = torch.tensor([0] + nqs, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return q, kv_pool, block_tables, torch.tensor(lens, dtype=torch.int32), query_start, dense
+
+
+def dense_attention(q, dense, seq_lens, query_start, scale):
+    """Ground truth: SDPA on each sequence's dense KV with an explicit causal mask for its last-n queries."""
+    out = torch.empty_like(q, dtype=torch.float32)
+    for s, (k, v) in enumerate(dense):
+        q0, q1, length = int(query_start[s]), int(query_start[s + 1]), int(seq_lens[s])
+        n = q1 - q0
+        group = q.shape[1] // k.shape[0]
+        qs = q[q0:q1].float().transpose(0, 1)[None]  # [1, q_heads, n, D]
+        ks = k.float().repeat_interleave(group, dim=0)[None]
+        vs = v.float().repeat_interleave(group, dim=0)[None]
+        mask = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]  # True = attend
+        out[q0:q1] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_reference_equals_dense_causal_sdpa(seed, q_heads, kv_heads):
+    q, kv_pool, bt, lens, qs, dense = make_batch(seed, q_heads=q_heads, kv_heads=kv_heads, num_seqs=6)
+    scale = 16 ** -0.5
+    ref = paged_attention_reference(q, kv_pool, bt, lens, qs, scale)
+    torch.testing.assert_close(ref, dense_attention(q, dense, lens, qs, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_chunked_prefill_equals_one_shot_prefill():
+    # a 13-token prompt prefilled in chunks of 5, 5, 3 (each chunk sees the cache so far) == all at once
+    q, kv_pool, bt, lens, qs, dense = make_batch(7, kinds=("prefill",), num_seqs=1)
+    length = int(lens[0])
+    full_q = torch.randn(length, 4, 16, generator=torch.Generator().manual_seed(3))
+    one_shot = paged_attention_reference(full_q, kv_pool, bt, lens, torch.tensor([0, length], dtype=torch.int32), 0.25)
+    pieces, done = [], 0
+    for chunk in (5, 5, 3, length):
+        end = min(done + chunk, length)
+        if end <= done:
+            break
+        pieces.append(paged_attention_reference(full_q[done:end], kv_pool, bt, torch.tensor([end], dtype=torch.int32),
+                                                torch.tensor([0, end - done], dtype=torch.int32), 0.25))
+        done = end
+    torch.testing.assert_close(torch.cat(pieces), one_shot, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_reference_low_precision_pool(dtype):
+    q, kv_pool, bt, lens, qs, dense = make_batch(11, dtype=dtype)
+    ref = paged_attention_reference(q, kv_pool, bt, lens, qs, 0.25)
+    assert ref.dtype == dtype
+    torch.testing.assert_close(ref.float(), dense_attention(q, dense, lens, qs, 0.25), rtol=1e-2, atol=1e-2)
+
+
+def test_write_kv_places_tokens_and_skips_padding():
+    pool = torch.zeros(4, 2, 2, 3, 5)
+    k = torch.randn(3, 2, 5)
+    v = torch.randn(3, 2, 5)
+    write_kv(pool, torch.tensor([7, -1, 2]), k, v)  # block 2 offset 1; padding; block 0 offset 2
+    torch.testing.assert_close(pool[2, 0, :, 1], k[0])
+    torch.testing.assert_close(pool[2, 1, :, 1], v[0])
+    torch.testing.assert_close(pool[0, 0, :, 2], k[2])
+    torch.testing.assert_close(pool[0, 1, :, 2], v[2])
+    assert int((pool != 0).sum()) == 4 * 2 * 5
+
+
+def test_rejects_bad_shapes_and_ragged_structure():
+    q, kv_pool, bt, lens, qs, _ = make_batch(0)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        paged_attention_reference(q[:, :3], kv_pool, bt, lens, qs, 1.0)
+    bad = qs.clone()
+    bad[-1] += 1
+    with pytest.raises(ValueError, match="query_start"):
+        paged_attention_reference(q, kv_pool, bt, lens, bad, 1.0)
+    short = lens.clone()
+    short[1] = 0
+    with pytest.raises(ValueError, match="queries but only"):
+        paged_attention_reference(q, kv_pool, bt, short, qs, 1.0)
+    with pytest.raises(ValueError, match="impl"):
+        paged_attention(q, kv_pool, bt, lens, qs, 1.0, impl="cuda")
