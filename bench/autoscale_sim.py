@@ -525,9 +525,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration-s", type=float, default=SimConfig.duration_s)
     ap.add_argument("--peak-rps", type=float, default=SimConfig.peak_rps)
     ap.add_argument("--startup-s", type=float, default=SimConfig.startup_s)
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE",
+        help="override any SimConfig field, e.g. --set prefill_tokens_per_s=9000 --set kv_capacity_tokens=400000",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     cfg = replace(SimConfig(), seed=args.seed, duration_s=args.duration_s, peak_rps=args.peak_rps, startup_s=args.startup_s)
+    fields = SimConfig.__dataclass_fields__
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in fields:
+            ap.error(f"--set {item}: no SimConfig field {key!r}; fields: {', '.join(fields)}")
+        cfg = replace(cfg, **{key: type(getattr(cfg, key))(value)})
     t0 = time.perf_counter()
     report = run_all(cfg)
     report["wall_s"] = time.perf_counter() - t0
