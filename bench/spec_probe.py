@@ -105,13 +105,26 @@ def speculative_greedy(model, tokenizer, prompt_ids: list[int], max_new_tokens: 
     try:
         while len(out) < max_new_tokens and out[-1] not in eos_ids:
             kind = span.kind
-            k = controller.choose_k(request_id, kind, 1, min(max_k, max_new_tokens - len(out) - 1))
-            ts = _clock()
-            draft = loop.run_until_complete(drafter.propose(request_id, prompt_ids + out, k)) if k > 0 else None
-            td = _clock() - ts
+            limit = min(max_k, max_new_tokens - len(out) - 1)
+            if hasattr(drafter, "confidence"):
+                # model-free drafter: propose first (microseconds), then let the controller cut
+                # the proposal by cost, using the drafter's confidence in this very proposal
+                ts = _clock()
+                draft = loop.run_until_complete(drafter.propose(request_id, prompt_ids + out, limit)) if limit > 0 else None
+                td = _clock() - ts
+                hint = drafter.confidence(request_id)
+                k = controller.choose_k(request_id, kind, 1, len(draft), alpha_hint=hint) if draft and hint is not None else 0
+                drafter.trim(request_id, k)
+                if draft:
+                    controller.observe_draft(len(draft), td)
+            else:
+                k = controller.choose_k(request_id, kind, 1, limit)
+                ts = _clock()
+                draft = loop.run_until_complete(drafter.propose(request_id, prompt_ids + out, k)) if k > 0 else None
+                td = _clock() - ts
+                if k > 0:
+                    controller.observe_draft(k, td)
             proposal = draft.token_ids[:k] if draft is not None else []
-            if k > 0:
-                controller.observe_draft(k, td)
             ts = _clock()
             base = cache.get_seq_length()
             logits = model(input_ids=torch.tensor([[out[-1]] + proposal]), past_key_values=cache,

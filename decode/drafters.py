@@ -32,6 +32,7 @@ __all__ = [
     "NgramDrafter",
     "DraftModelDrafter",
     "NoDrafter",
+    "brute_force_ngram_proposal",
     "TokenizerMismatchError",
     "check_tokenizer_compatible",
     "tokenizer_fingerprint",
@@ -207,7 +208,8 @@ class NgramDrafter:
 
     def prior_alpha(self, n: int) -> float:
         """Acceptance expected of an ``n``-token match before any feedback (longer is surer)."""
-        return min(0.3 + 0.1 * (n - 2), 0.85) if n >= 2 else 0.2
+        # roughly what SmolLM2 showed on the spec_probe workloads: n=2 ~0.3, n>=6 ~0.9
+        return {1: 0.2, 2: 0.3, 3: 0.45, 4: 0.6, 5: 0.7}.get(n, 0.85)
 
     def match_alpha(self, n: int) -> float:
         """Learned per-token acceptance of continuations after an ``n``-token match."""
@@ -261,6 +263,22 @@ class NgramDrafter:
 
     async def propose(self, request_id, token_ids, k, sampling=None) -> Draft:
         return self.propose_now(request_id, token_ids, k)
+
+    def confidence(self, request_id: str) -> float | None:
+        """Per-token acceptance expected of the request's last proposal (its match length's
+        learned α), or ``None`` when it proposed nothing — a hint for
+        ``SpeculationController.choose_k(alpha_hint=...)``."""
+        pending = self._pending.get(request_id)
+        return None if pending is None else self.match_alpha(pending[0])
+
+    def trim(self, request_id: str, keep: int) -> None:
+        """The caller verifies only the first ``keep`` tokens of the last proposal."""
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            if keep <= 0:
+                del self._pending[request_id]
+            else:
+                self._pending[request_id] = (pending[0], min(pending[1], keep))
 
     def feedback(self, request_id, num_accepted, new_token_ids) -> None:
         # Committed tokens are indexed on the next propose (which sees the full sequence);

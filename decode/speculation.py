@@ -476,11 +476,25 @@ class SpeculationController:
                 best_k, best = k, r
         return best_k
 
-    def choose_k(self, request_id: str, span_kind: SpanKind, batch_size: int, max_k: int) -> int:
+    def choose_k(
+        self, request_id: str, span_kind: SpanKind, batch_size: int, max_k: int, alpha_hint: float | None = None
+    ) -> int:
+        """Speculation length for one request this step, in ``[0, max_k]``.
+
+        ``alpha_hint``: a drafter's own per-token acceptance estimate for the proposal it has
+        already made (model-free drafters propose first, for free: e.g. n-gram acceptance by
+        match length). It replaces the span estimate, and no probe is scheduled — the
+        proposal in hand is the evidence; ``max_k`` is then the proposal's length.
+        """
         span = SpanKind(span_kind)
         pol = self._req.setdefault(request_id, _ReqPolicy())
         if pol.span is not span:
             pol.span, pol.zero_streak = span, 0
+        if alpha_hint is not None:
+            k = self.best_k(min(max(alpha_hint, 0.0), 1.0), max(batch_size, 1), max_k)
+            self.stats.steps += 1
+            self.stats.chosen_k[k] += 1
+            return k
         alpha = self.acceptance.alpha(request_id, span)
         k = self.best_k(alpha, max(batch_size, 1), max_k)
         probe = False

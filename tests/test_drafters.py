@@ -109,6 +109,22 @@ def test_ngram_trims_proposals_by_learned_match_confidence():
     assert _propose(NgramDrafter(2, 4, min_reach=0.0), "x", short, 3).token_ids == [3, 4, 5]
 
 
+def test_ngram_confidence_and_trim_feed_the_right_match_length():
+    d = NgramDrafter(min_n=2, max_n=4, min_reach=0.0, prior_strength=2.0, decay=1.0)
+    long = [1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4]
+    assert d.confidence("r") is None  # nothing proposed yet
+    assert len(_propose(d, "r", long, 6)) == 6
+    assert d.confidence("r") == pytest.approx(d.prior_alpha(4))
+    d.trim("r", 2)  # the controller verifies 2 of the 6; both accepted
+    d.feedback("r", 2, [5, 6, 9])
+    assert d.match_alpha(4) == pytest.approx((2 + 2 * d.prior_alpha(4)) / (2 + 2))  # 2 of 2, not 2 of 3
+    assert d.confidence("r") is None
+    assert len(_propose(d, "q", long, 6)) == 6
+    d.trim("q", 0)  # not verified at all: no evidence either way
+    d.feedback("q", 0, [1])
+    assert d.match_alpha(4) == pytest.approx((2 + 2 * d.prior_alpha(4)) / (2 + 2))
+
+
 def test_drafters_share_one_protocol():
     assert isinstance(NgramDrafter(), Drafter)
     assert isinstance(make_drafter("ngram", max_n=5), NgramDrafter)

@@ -221,3 +221,15 @@ def test_stats_are_plain_counters():
     json.dumps(snap)  # exportable as is
     ctl.release("r")
     assert ctl.acceptance.request_trials("r", SpanKind.JSON) == 0.0
+
+
+def test_alpha_hint_from_the_drafter_replaces_the_span_estimate():
+    ctl = _controller(verify=(0.05, 0.005))
+    for _ in range(30):
+        ctl.observe_step("r", SpanKind.FREE, 4, 0)
+    assert ctl.choose_k("r", SpanKind.FREE, 1, 8) == 0
+    # a long n-gram match in the same span: its own track record decides, bounded by max_k
+    assert ctl.choose_k("r", SpanKind.FREE, 1, 6, alpha_hint=0.95) == 6
+    assert ctl.choose_k("r", SpanKind.FREE, 1, 6, alpha_hint=0.02) == 0
+    # under load the same confidence buys fewer tokens
+    assert ctl.choose_k("r", SpanKind.FREE, 64, 6, alpha_hint=0.8) < ctl.choose_k("r", SpanKind.FREE, 1, 6, alpha_hint=0.8)
