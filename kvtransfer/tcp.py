@@ -1,25 +1,38 @@
-"""The direct KV data path: a framed TCP stream from the prefill worker to the decode worker.
+"""The direct KV data path: a framed TCP stream (or a shared-memory segment it announces) from prefill to decode.
 
 NATS only brokers the rendezvous (a one-time transfer token and the receiver's address, in
 the `HandoffReply`); the bytes go straight between the two workers. Frame layout, all
-big-endian:
+big-endian (frame version 2):
 
-    magic "PDKV" | version u8 | kind u8 | layer u16 | crc32 u32 | length u64 | payload
+    magic "PDKV" | version u8 | kind u8 | layer u16 | crc32 u32 | offset u64 | length u64 | payload
 
-kinds: HELLO (JSON `TransferHeader`), CHUNK (one layer's blocks, raw bytes, crc32 of the
-payload), END (JSON: chunk count and bytes), ACK (JSON from the receiver: ok or an error that
-names what was wrong). Every read has a bound: a peer that stalls is an error, not a hang.
+kinds: HELLO (JSON `TransferHeader`), CHUNK (`length` bytes of one layer's wire bytes starting at
+`offset`, crc32 of the payload), SCALES (float32 scales `[num_blocks, 2, kv_heads]` of a compressed
+layer), SHM (no payload: layer `layer` lies in the shared-memory segment at `offset`, `length`
+bytes; crc32 of those bytes, or 0 when the header says `shm_verify=false`), END (JSON: chunk count
+and bytes), ACK (JSON from the receiver: ok or an error that names what was wrong).
+
+Layers may arrive in any order (layer streaming sends each as prefill computes it); within a layer
+chunks arrive in offset order. Large layers go as several CHUNKs so the checksum of one overlaps the
+send of the previous. The receiver reads payloads straight into preallocated tensors (`recv_into`).
+Every read and write has a bound: a peer that stalls is an error, not a hang.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
+import mmap
+import os
 import secrets
+import select
+import socket
 import struct
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Iterable, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -29,11 +42,17 @@ from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
 log = logging.getLogger("pdserve.kvtransfer.tcp")
 
 MAGIC = b"PDKV"
-FRAME_VERSION = 1
-_HDR = struct.Struct("!4sBBHIQ")
-HELLO, CHUNK, END, ACK = 1, 2, 3, 4
+FRAME_VERSION = 2
+_HDR = struct.Struct("!4sBBHIQQ")
+HELLO, CHUNK, END, ACK, SCALES, SHM = 1, 2, 3, 4, 5, 6
 MAX_CONTROL_FRAME = 1 << 20
 MAX_CHUNK = 1 << 31
+DEFAULT_CHUNK_BYTES = 4 << 20  # big enough to amortise syscalls, small enough that crc and send overlap
+SHM_DIR = os.environ.get("PDSERVE_SHM_DIR", "/dev/shm")
+SHM_PREFIX = "pdkv-"
+
+Compression = Literal["none", "int8", "fp8"]
+COMPRESSIONS = ("none", "int8", "fp8")
 
 
 class TransferError(RuntimeError):
@@ -41,7 +60,12 @@ class TransferError(RuntimeError):
 
 
 class TransferHeader(BaseModel):
-    """The HELLO frame: who sends what. Must match the offer the receiver accepted over NATS."""
+    """The HELLO frame: who sends what. Must match the offer the receiver accepted over NATS.
+
+    `num_chunks` is the layer count and `total_bytes` the uncompressed KV bytes (the layout's
+    `payload_bytes`), whatever the wire carries; `compression` and `transport` must equal what the
+    receiver agreed to in its `HandoffReply`.
+    """
 
     model_config = ConfigDict(extra="forbid")
     transfer_token: str
@@ -52,22 +76,38 @@ class TransferHeader(BaseModel):
     num_tokens: int
     num_chunks: int
     total_bytes: int
+    compression: Compression = "none"
+    transport: Literal["tcp", "shm", "nats", "objstore"] = "tcp"
+    shm_verify: bool = False  # crc32 over shared-memory layers (memory is not a wire; off by default)
 
 
-def _frame(kind: int, payload: bytes | memoryview, layer: int = 0) -> list:
-    return [_HDR.pack(MAGIC, FRAME_VERSION, kind, layer, zlib.crc32(payload), len(payload)), payload]
+# --- frames -----------------------------------------------------------------------------------
+
+
+def _frame(kind: int, payload: bytes | memoryview, layer: int = 0, offset: int = 0, crc: int | None = None) -> list:
+    """[header bytes, payload] of one frame; crc32 of the payload unless given."""
+    if crc is None:
+        crc = zlib.crc32(payload)
+    return [_HDR.pack(MAGIC, FRAME_VERSION, kind, layer, crc, offset, len(payload)), payload]
+
+
+def _parse_header(hdr: bytes | memoryview, max_len: int) -> tuple[int, int, int, int, int]:
+    """-> (kind, layer, crc, offset, length); TransferError on a foreign or oversized frame."""
+    magic, version, kind, layer, crc, offset, length = _HDR.unpack(hdr)
+    if magic != MAGIC:
+        raise TransferError(f"not a pdserve KV stream (magic {bytes(magic)!r})")
+    if version != FRAME_VERSION:
+        raise TransferError(f"KV frame version {version}, expected {FRAME_VERSION}")
+    if kind != SHM and length > max_len:
+        raise TransferError(f"frame of {length} bytes exceeds the limit of {max_len}")
+    return kind, layer, crc, offset, length
 
 
 async def _read_frame(reader: asyncio.StreamReader, timeout: float, max_len: int) -> tuple[int, int, bytes]:
+    """One whole frame from an asyncio stream (control frames: ACKs). -> (kind, layer, payload)."""
     try:
         hdr = await asyncio.wait_for(reader.readexactly(_HDR.size), timeout)
-        magic, version, kind, layer, crc, length = _HDR.unpack(hdr)
-        if magic != MAGIC:
-            raise TransferError(f"not a pdserve KV stream (magic {magic!r})")
-        if version != FRAME_VERSION:
-            raise TransferError(f"KV frame version {version}, expected {FRAME_VERSION}")
-        if length > max_len:
-            raise TransferError(f"frame of {length} bytes exceeds the limit of {max_len}")
+        kind, layer, crc, _, length = _parse_header(hdr, max_len)
         payload = await asyncio.wait_for(reader.readexactly(length), timeout)
     except asyncio.IncompleteReadError as e:
         raise TransferError(f"stream truncated: got {len(e.partial)} of {e.expected} bytes") from None
@@ -81,57 +121,388 @@ async def _read_frame(reader: asyncio.StreamReader, timeout: float, max_len: int
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A tensor's bytes without a copy when it is contiguous (any dtype, bf16 included)."""
+    """A CPU tensor's bytes without a copy when it is contiguous (any dtype, bf16 included)."""
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-async def send_kv(
-    addr: str, header: TransferHeader, kv: KVBlocks, *, timeout: float = 30.0, connect_timeout: float = 5.0
-) -> dict:
-    """Send `kv` to the receiver at "host:port". Returns the receiver's ACK (with its timings).
+def _crc(mv) -> int:
+    return zlib.crc32(mv)  # releases the GIL above 5 KiB, so a worker thread overlaps it with I/O
 
-    Raises TransferError if the receiver refuses it, stalls, or the connection breaks.
+
+# Blocking socket work runs in _POOL (one thread per live transfer side); checksums that overlap it run
+# in _CRC_POOL, which never blocks on anything, so a busy _POOL cannot starve them.
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdkv-io")
+_CRC_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-crc")
+
+
+# --- the wire form of one layer (shared by every transport) ---------------------------------
+
+
+def layer_wire_pieces(index: int, layer: torch.Tensor, compression: str = "none",
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[int, int, int, memoryview]]:
+    """One layer `[nb, 2, kv_heads, block_size, head_dim]` → [(kind, layer, offset, bytes)] frames to send.
+
+    `compression` "int8"/"fp8" quantises with `kernels.kv_quant.pack` (per (block, K/V, head) scales,
+    sent first as a SCALES frame); "none" sends the tensor's own bytes without a copy. The tensor must
+    be on the CPU here; a device path would hand device buffers to its own transport instead.
     """
-    host, _, port = addr.rpartition(":")
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), connect_timeout)
-    except (OSError, asyncio.TimeoutError) as e:
-        raise TransferError(f"cannot reach decode data port {addr}: {e or 'timeout'}") from None
-    # The receiver may refuse early (bad token, layout, corrupt chunk): watch for its ACK while
-    # sending, so a refusal stops the transfer and its reason reaches the caller.
-    ack_task = asyncio.create_task(_read_frame(reader, timeout, MAX_CONTROL_FRAME))
-    try:
-        try:
-            writer.writelines(_frame(HELLO, header.model_dump_json().encode()))
-            for i, layer in enumerate(kv.layers):
-                if ack_task.done():
-                    break
-                writer.writelines(_frame(CHUNK, tensor_bytes(layer), layer=i))
-                await asyncio.wait_for(writer.drain(), timeout)
+    if compression == "none":
+        data = tensor_bytes(layer)
+        pieces = []
+    else:
+        from pdserve.kernels.kv_quant import pack
+
+        payload, scales = pack(layer, torch.arange(layer.shape[0]), compression, impl="reference")
+        data = tensor_bytes(payload)
+        pieces = [(SCALES, index, 0, tensor_bytes(scales))]
+    n = len(data)
+    for off in range(0, n, chunk_bytes):
+        pieces.append((CHUNK, index, off, data[off:off + chunk_bytes]))
+    if n == 0:
+        pieces.append((CHUNK, index, 0, data))
+    return pieces
+
+
+def wire_layer_bytes(layout: KVLayout, num_tokens: int, compression: str) -> int:
+    """Bytes of one layer on the wire (payload only; int8/fp8 add scales in a SCALES frame)."""
+    nb = layout.num_blocks(num_tokens)
+    if compression == "none":
+        return nb * layout.block_bytes
+    return nb * 2 * layout.kv_heads * layout.block_size * layout.head_dim
+
+
+class Assembly:
+    """The receiving end of one transfer, transport-independent: preallocated layer tensors that frames fill.
+
+    A transport asks `target(kind, layer, offset, length)` for the memoryview to write a payload into
+    (TCP: `recv_into` it; NATS: copy the message into it), then calls `commit(...)` once the bytes are
+    there and their crc32 checked; a complete layer is unpacked (if compressed) and reported through
+    `on_layer(index, tensor)`. `finish()` checks nothing is missing.
+    """
+
+    def __init__(self, layout: KVLayout, header: TransferHeader,
+                 on_layer: Callable[[int, torch.Tensor], None] | None = None):
+        self.layout, self.header, self.on_layer = layout, header, on_layer
+        self.nb = layout.num_blocks(header.num_tokens)
+        self.shape = (self.nb, 2, layout.kv_heads, layout.block_size, layout.head_dim)
+        self.compression = header.compression
+        self.wire_bytes = wire_layer_bytes(layout, header.num_tokens, self.compression)
+        L = layout.num_layers
+        self.layers: list[torch.Tensor | None] = [None] * L
+        self._buf: list[torch.Tensor | None] = [None] * L  # wire buffers being filled
+        self._scales: list[torch.Tensor | None] = [None] * L
+        self.filled = [0] * L
+        self.complete = [False] * L
+        self.bytes_on_wire = 0
+        self.t0 = time.monotonic()
+
+    def _wire_buf(self, layer: int) -> torch.Tensor:
+        if self._buf[layer] is None:
+            if self.compression == "none":
+                self._buf[layer] = torch.empty(self.shape, dtype=self.layout.torch_dtype)
             else:
-                writer.writelines(_frame(END, json.dumps({"chunks": len(kv.layers), "bytes": kv.nbytes}).encode()))
-                await asyncio.wait_for(writer.drain(), timeout)
-        except asyncio.TimeoutError:
-            raise TransferError(f"decode data port {addr} stalled (no progress for {timeout:.1f} s)") from None
-        except (ConnectionError, OSError) as e:
-            try:  # the receiver may have said why before it hung up
-                await asyncio.wait_for(asyncio.shield(ack_task), 1.0)
-            except Exception:
-                raise TransferError(f"connection to {addr} lost: {e}") from None
-        kind, _, payload = await ack_task
+                self._buf[layer] = torch.empty(self.wire_bytes, dtype=torch.uint8)
+        return self._buf[layer]
+
+    def target(self, kind: int, layer: int, offset: int, length: int) -> memoryview:
+        if not 0 <= layer < self.layout.num_layers:
+            raise TransferError(f"chunk for layer {layer}; the layout has {self.layout.num_layers}")
+        if self.complete[layer]:
+            raise TransferError(f"layer {layer} sent twice")
+        if kind == SCALES:
+            if self.compression == "none":
+                raise TransferError(f"layer {layer}: scales frame in an uncompressed transfer")
+            want = self.nb * 2 * self.layout.kv_heads * 4
+            if length != want or offset != 0:
+                raise TransferError(f"layer {layer}: scales of {length} bytes, expected {want}")
+            self._scales[layer] = torch.empty(self.nb, 2, self.layout.kv_heads, dtype=torch.float32)
+            return tensor_bytes(self._scales[layer])
+        if kind != CHUNK:
+            raise TransferError(f"expected chunk for layer {layer}, got frame kind {kind}")
+        if offset != self.filled[layer]:
+            raise TransferError(f"layer {layer}: chunk at offset {offset}, expected {self.filled[layer]}")
+        if offset + length > self.wire_bytes:
+            raise TransferError(f"layer {layer}: {offset + length} bytes, layout says {self.wire_bytes}")
+        return tensor_bytes(self._wire_buf(layer))[offset:offset + length]
+
+    def commit(self, kind: int, layer: int, length: int) -> None:
+        self.bytes_on_wire += length
+        if kind == CHUNK:
+            self.filled[layer] += length
+        if self.filled[layer] == self.wire_bytes and not self.complete[layer]:
+            if self.compression != "none" and self._scales[layer] is None:
+                return  # bytes complete, scales still to come
+            self._finish_layer(layer, self._wire_buf(layer) if self.wire_bytes else
+                               torch.empty(self.shape, dtype=self.layout.torch_dtype))
+
+    def adopt(self, layer: int, tensor: torch.Tensor) -> None:
+        """A layer that arrived whole (shared memory): take the tensor as it is, no copy."""
+        if not 0 <= layer < self.layout.num_layers or self.complete[layer]:
+            raise TransferError(f"unexpected or repeated layer {layer}")
+        self.bytes_on_wire += tensor.numel() * tensor.element_size()
+        self.filled[layer] = self.wire_bytes
+        self._finish_layer(layer, tensor.view(self.layout.torch_dtype).view(self.shape))
+
+    def _finish_layer(self, layer: int, wire: torch.Tensor) -> None:
+        if self.compression == "none":
+            out = wire
+        else:
+            from pdserve.kernels.kv_quant import unpack
+
+            out = torch.empty(self.shape, dtype=self.layout.torch_dtype)
+            unpack(wire, self._scales[layer], out, torch.arange(self.nb), self.compression, impl="reference")
+            self._scales[layer] = None
+        self._buf[layer] = None
+        self.layers[layer] = out
+        self.complete[layer] = True
+        if self.on_layer is not None:
+            self.on_layer(layer, out)
+
+    def finish(self) -> tuple[KVBlocks, dict]:
+        missing = [i for i, c in enumerate(self.complete) if not c]
+        if missing:
+            raise TransferError(f"END before layers {missing[:8]}{'…' if len(missing) > 8 else ''} arrived")
+        seconds = time.monotonic() - self.t0
+        stats = {"bytes": self.header.total_bytes, "wire_bytes": self.bytes_on_wire, "seconds": seconds,
+                 "compression": self.compression, "transport": self.header.transport}
+        return KVBlocks(self.layout, self.header.num_tokens, list(self.layers)), stats
+
+
+# --- shared memory ------------------------------------------------------------------------
+
+
+def shm_path(token: str) -> str:
+    """The segment of a transfer is named by its one-time token, so either side can remove it."""
+    safe = "".join(c for c in token if c.isalnum() or c in "-_")
+    if safe != token or not token:
+        raise TransferError("malformed transfer token")
+    return os.path.join(SHM_DIR, SHM_PREFIX + token)
+
+
+def unlink_quietly(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def sweep_stale_segments(max_age_s: float = 600.0) -> int:
+    """Remove transfer segments older than `max_age_s` (both sides of a transfer died). Returns the count."""
+    n = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    now = time.time()
+    for name in names:
+        if name.startswith(SHM_PREFIX):
+            p = os.path.join(SHM_DIR, name)
+            try:
+                if now - os.stat(p).st_mtime > max_age_s and unlink_quietly(p):
+                    n += 1
+            except OSError:
+                pass
+    return n
+
+
+_HOST_ID: str | None = None
+
+
+def host_id() -> str:
+    """Who shares memory with whom: boot id + the shm directory's identity (pods on one node that mount
+    the same /dev/shm volume agree; a pod with a private /dev/shm does not)."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        try:
+            boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        except OSError:
+            boot = socket.gethostname()
+        try:
+            st = os.stat(SHM_DIR)
+            _HOST_ID = f"{boot}:{st.st_dev}:{st.st_ino}"
+        except OSError:
+            _HOST_ID = f"{boot}:noshm:{os.getpid()}"
+    return _HOST_ID
+
+
+# --- sender -------------------------------------------------------------------------------
+
+
+class _BlockingSender:
+    """The sending socket, driven from worker threads; refusals from the receiver stop it early."""
+
+    def __init__(self, sock: socket.socket, addr: str, timeout: float):
+        self.sock, self.addr, self.timeout = sock, addr, timeout
+        self.refused = False
+
+    def _peer_spoke(self) -> bool:
+        r, _, _ = select.select([self.sock], [], [], 0)
+        return bool(r)
+
+    def send_frames(self, frames: Iterable[tuple[int, int, int, memoryview]], crcs: bool = True) -> None:
+        """Send frames; the crc of frame i+1 is computed in a worker thread while frame i goes out."""
+        frames = list(frames)
+        if not frames:
+            return
+        nxt = _CRC_POOL.submit(_crc, frames[0][3]) if crcs else None
+        for i, (kind, layer, offset, payload) in enumerate(frames):
+            crc = nxt.result() if crcs else getattr(payload, "crc", 0)
+            if crcs and i + 1 < len(frames):
+                nxt = _CRC_POOL.submit(_crc, frames[i + 1][3])
+            if self._peer_spoke():  # the receiver refused (its ACK is waiting): stop sending
+                self.refused = True
+                return
+            try:
+                self.sock.sendall(_HDR.pack(MAGIC, FRAME_VERSION, kind, layer, crc, offset, len(payload)))
+                if kind != SHM and len(payload):
+                    self.sock.sendall(payload)
+            except socket.timeout:
+                raise TransferError(f"decode data port {self.addr} stalled "
+                                    f"(no progress for {self.timeout:.1f} s)") from None
+            except OSError:
+                self.refused = True  # it hung up: its ACK (if any) says why
+                return
+
+    def read_ack(self) -> dict:
+        try:
+            hdr = _recv_exact(self.sock, bytearray(_HDR.size))
+            kind, layer, crc, _, length = _parse_header(hdr, MAX_CONTROL_FRAME)
+            payload = _recv_exact(self.sock, bytearray(length))
+        except socket.timeout:
+            raise TransferError(f"decode data port {self.addr} did not acknowledge within {self.timeout:.1f} s") \
+                from None
+        except (TransferError, OSError) as e:
+            raise TransferError(f"connection to {self.addr} lost: {e}") from None
         if kind != ACK:
             raise TransferError(f"expected ACK, got frame kind {kind}")
-        ack = json.loads(payload)
+        ack = json.loads(bytes(payload))
         if not ack.get("ok"):
             raise TransferError(f"receiver refused KV: {ack.get('error')}")
         return ack
+
+
+def _recv_exact(sock: socket.socket, buf) -> memoryview:
+    """Fill `buf` from the socket (blocking, with the socket's timeout per read). TransferError on EOF."""
+    mv = memoryview(buf).cast("B")
+    got, want = 0, len(mv)
+    while got < want:
+        n = sock.recv_into(mv[got:], want - got, socket.MSG_WAITALL)
+        if n == 0:
+            raise TransferError(f"stream truncated: got {got} of {want} bytes")
+        got += n
+    return mv
+
+
+async def _aiter(layers: Iterable[torch.Tensor]) -> AsyncIterator[tuple[int, torch.Tensor]]:
+    for i, t in enumerate(layers):
+        yield i, t
+
+
+async def send_kv(addr: str, header: TransferHeader, kv: KVBlocks, *, timeout: float = 30.0,
+                  connect_timeout: float = 5.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+    """Send `kv` to the receiver at "host:port". Returns the receiver's ACK (with its timings).
+
+    `header.compression` ("none"/"int8"/"fp8") and `header.transport` ("tcp" or "shm") say how; both must
+    be what the receiver agreed to. Raises TransferError if the receiver refuses it, stalls (no progress
+    for `timeout` s), or the connection breaks.
+    """
+    return await send_kv_stream(addr, header, _aiter(kv.layers), timeout=timeout, connect_timeout=connect_timeout,
+                                chunk_bytes=chunk_bytes)
+
+
+async def send_kv_stream(addr: str, header: TransferHeader, layers: AsyncIterator[tuple[int, torch.Tensor]], *,
+                         timeout: float = 30.0, connect_timeout: float = 5.0,
+                         chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+    """Layer streaming: open the transfer now and send each `(layer_index, [nb, 2, H, bs, D] tensor)` as the
+    iterator yields it (e.g. from prefill's per-layer hooks), so the wire overlaps the compute.
+
+    Every layer of the header's layout must come exactly once, in any order. Returns the ACK.
+    """
+    host, _, port = addr.rpartition(":")
+    loop = asyncio.get_running_loop()
+    try:
+        sock = await asyncio.wait_for(loop.run_in_executor(
+            _POOL, lambda: socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout)),
+            connect_timeout + 1)
+    except (OSError, asyncio.TimeoutError) as e:
+        raise TransferError(f"cannot reach decode data port {addr}: {e or 'timeout'}") from None
+    sock.settimeout(timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tx = _BlockingSender(sock, addr, timeout)
+    shm: tuple[str, mmap.mmap] | None = None
+    try:
+        hello = [(HELLO, 0, 0, memoryview(header.model_dump_json().encode()))]
+        await loop.run_in_executor(_POOL, tx.send_frames, hello)
+        if header.transport == "shm":
+            shm = _create_segment(header)
+        sent = 0
+        async for index, layer in layers:
+            if tx.refused:
+                break
+            if shm is not None:
+                frames = _write_shm_layer(shm[1], index, layer, header)
+                await loop.run_in_executor(_POOL, lambda: tx.send_frames(frames, crcs=False))
+            else:
+                pieces = await loop.run_in_executor(
+                    _POOL, layer_wire_pieces, index, layer, header.compression, chunk_bytes)
+                await loop.run_in_executor(_POOL, tx.send_frames, pieces)
+            sent += 1
+        if not tx.refused:
+            end = json.dumps({"chunks": sent, "bytes": header.total_bytes}).encode()
+            await loop.run_in_executor(_POOL, tx.send_frames, [(END, 0, 0, memoryview(end))])
+        return await loop.run_in_executor(_POOL, tx.read_ack)
     finally:
-        ack_task.cancel()
-        writer.close()
         try:
-            await asyncio.wait_for(writer.wait_closed(), 1.0)
-        except Exception:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
             pass
+        sock.close()
+        if shm is not None:
+            shm[1].close()
+            unlink_quietly(shm[0])  # the receiver unlinks it on open; this covers every failure
+
+
+def _create_segment(header: TransferHeader) -> tuple[str, mmap.mmap]:
+    path = shm_path(header.transfer_token)
+    size = max(header.total_bytes, 1)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return path, mmap.mmap(fd, size)
+    except BaseException:
+        unlink_quietly(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _write_shm_layer(mm: mmap.mmap, index: int, layer: torch.Tensor,
+                     header: TransferHeader) -> list[tuple[int, int, int, memoryview]]:
+    n = layer.numel() * layer.element_size()
+    offset = index * n
+    if offset + n > len(mm):
+        raise TransferError(f"layer {index} does not fit the shared-memory segment")
+    dst = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=offset) if n else None
+    if dst is not None:
+        dst.copy_(layer.contiguous().view(torch.uint8).reshape(-1))
+    crc = _crc(memoryview(mm)[offset:offset + n]) if header.shm_verify else 0
+    del dst
+    # an SHM frame has no payload: `length` in its header is the layer's size in the segment
+    return [(SHM, index, offset, _ShmLen(n, crc))]
+
+
+class _ShmLen:
+    """Stands in for a payload in an SHM frame: a length (and a precomputed crc), no bytes."""
+
+    def __init__(self, n: int, crc: int):
+        self.n, self.crc = n, crc
+
+    def __len__(self) -> int:
+        return self.n
+
+
+# --- receiver -----------------------------------------------------------------------------
 
 
 @dataclass
@@ -145,10 +516,18 @@ class Expected:
     num_tokens: int
     future: asyncio.Future
     created: float = field(default_factory=time.monotonic)
+    transport: str = "tcp"
+    compression: str = "none"
+    layer_queue: asyncio.Queue | None = None  # set by `layers()`: complete layers as they arrive
+    cleanup: list = field(default_factory=list)  # callables run when the transfer ends, however it ends
 
 
 class KVReceiver:
-    """The decode side's data server: accepts KV streams for transfers it agreed to, nothing else."""
+    """The decode side's data server: accepts KV streams for transfers it agreed to, nothing else.
+
+    Each connection is served by blocking `recv_into` in a worker thread, straight into the
+    preallocated layer tensors; a socket timeout of `stall_timeout` bounds every read.
+    """
 
     def __init__(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  stall_timeout: float = 10.0):
@@ -157,7 +536,10 @@ class KVReceiver:
         self.advertise_host = advertise_host
         self.stall_timeout = stall_timeout
         self._expected: dict[str, Expected] = {}
-        self._server: asyncio.AbstractServer | None = None
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._conns: set[socket.socket] = set()
+        self._tasks: set[asyncio.Task] = set()
         self.bytes_received = 0
         self.active = 0
 
@@ -166,90 +548,150 @@ class KVReceiver:
         return f"{self.advertise_host or self.host}:{self.port}"
 
     async def start(self) -> "KVReceiver":
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        sweep_stale_segments()
+        fam = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((self.host, self.port))
+        s.listen(128)
+        s.setblocking(False)
+        self._listener = s
+        self.port = s.getsockname()[1]
+        self._accept_task = asyncio.create_task(self._accept_loop())
         return self
 
     async def close(self) -> None:
-        if self._server:
-            self._server.close()
-            await self._server.wait_closed()
+        if self._accept_task:
+            self._accept_task.cancel()
+        if self._listener:
+            self._listener.close()
+        for c in list(self._conns):
+            try:
+                c.shutdown(socket.SHUT_RDWR)  # wakes the worker thread blocked on it
+            except OSError:
+                pass
+        for t in list(self._tasks):
+            try:
+                await asyncio.wait_for(asyncio.shield(t), 2.0)
+            except BaseException:
+                pass
         for token in list(self._expected):
             self.cancel(token, "receiver shutting down")
 
-    def expect(self, request_id: str, sender_id: str, sender_generation: int, layout: KVLayout, num_tokens: int) -> str:
+    def expect(self, request_id: str, sender_id: str, sender_generation: int, layout: KVLayout, num_tokens: int,
+               *, transport: str = "tcp", compression: str = "none") -> str:
         """Register a transfer accepted over NATS; returns its one-time token. Await `wait(token, timeout)`."""
         self.layout.check_matches(layout)
+        if compression not in COMPRESSIONS:
+            raise TransferError(f"unknown KV compression {compression!r}; known: {', '.join(COMPRESSIONS)}")
         token = secrets.token_urlsafe(16)
         fut = asyncio.get_running_loop().create_future()
-        self._expected[token] = Expected(request_id, sender_id, sender_generation, layout, num_tokens, fut)
+        exp = Expected(request_id, sender_id, sender_generation, layout, num_tokens, fut,
+                       transport=transport, compression=compression)
+        if transport == "shm":
+            exp.cleanup.append(lambda p=shm_path(token): unlink_quietly(p))
+        self._expected[token] = exp
         return token
 
     async def wait(self, token: str, timeout: float) -> tuple[KVBlocks, dict]:
-        """The received KV and stats ({bytes, seconds}); TransferError on failure or after `timeout` s."""
+        """The received KV and stats ({bytes, wire_bytes, seconds}); TransferError on failure or after `timeout` s."""
         exp = self._expected.get(token)
         if exp is None:
-            raise TransferError(f"unknown transfer token")
+            raise TransferError("unknown transfer token")
         try:
             return await asyncio.wait_for(asyncio.shield(exp.future), timeout)
         except asyncio.TimeoutError:
+            self.fail(token, f"KV for request {exp.request_id} did not arrive within {timeout:.1f} s")
             raise TransferError(f"KV for request {exp.request_id} did not arrive within {timeout:.1f} s") from None
         finally:
             self._expected.pop(token, None)
+            self._run_cleanup(exp)
+
+    async def layers(self, token: str, timeout: float) -> AsyncIterator[tuple[int, torch.Tensor]]:
+        """Layer streaming, receiving side: yields `(layer_index, tensor)` as each layer completes.
+
+        `timeout` bounds the wait for each next layer (s). Ends after the last layer; the whole
+        transfer's result (and its stats) stays available to `wait(token, ...)`.
+        """
+        exp = self._expected.get(token)
+        if exp is None:
+            raise TransferError("unknown transfer token")
+        if exp.layer_queue is None:
+            exp.layer_queue = asyncio.Queue()
+        for _ in range(exp.layout.num_layers):
+            getter = asyncio.ensure_future(exp.layer_queue.get())
+            done, _ = await asyncio.wait({getter, exp.future}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                yield getter.result()
+                continue
+            getter.cancel()
+            if exp.future.done() and exp.future.exception() is not None:
+                raise exp.future.exception()
+            if exp.future.done():  # finished: drain what is queued
+                while not exp.layer_queue.empty():
+                    yield exp.layer_queue.get_nowait()
+                return
+            self.fail(token, f"no layer of request {exp.request_id} within {timeout:.1f} s")
+            raise TransferError(f"no layer of request {exp.request_id} within {timeout:.1f} s")
 
     def cancel(self, token: str, reason: str) -> None:
         exp = self._expected.pop(token, None)
         if exp and not exp.future.done():
             exp.future.set_exception(TransferError(reason))
+            exp.future.exception()  # retrieved: nobody may be waiting any more
+        if exp:
+            self._run_cleanup(exp)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.active += 1
-        exp: Expected | None = None
-        try:
+    def fail(self, token: str, reason: str) -> None:
+        """Fail a transfer (the future raises TransferError(reason)); keeps it registered for `wait`."""
+        exp = self._expected.get(token)
+        if exp and not exp.future.done():
+            exp.future.set_exception(TransferError(reason))
+            exp.future.exception()
+        if exp:
+            self._run_cleanup(exp)
+
+    @staticmethod
+    def _run_cleanup(exp: Expected | None) -> None:
+        if exp is None:
+            return
+        while exp.cleanup:
             try:
-                kind, _, payload = await _read_frame(reader, self.stall_timeout, MAX_CONTROL_FRAME)
-                if kind != HELLO:
-                    raise TransferError(f"expected HELLO, got frame kind {kind}")
-                try:
-                    header = TransferHeader.model_validate_json(payload)
-                except Exception as e:
-                    raise TransferError(f"malformed transfer header: {e}") from None
-                exp = self._expected.get(header.transfer_token)
-                if exp is None:
-                    raise TransferError("unknown or expired transfer token")
-                self._check_header(exp, header)
-                kv, stats = await self._receive_body(reader, header)
-            except (TransferError, LayoutMismatch) as e:
-                if exp and not exp.future.done():
-                    exp.future.set_exception(TransferError(str(e)))
-                log.warning("kv transfer refused: %s", e)
-                await self._refuse(reader, writer, str(e))
-                return
-            writer.write(b"".join(_frame(ACK, json.dumps({"ok": True, **stats}).encode())))
-            if not exp.future.done():
-                exp.future.set_result((kv, stats))
-            try:
-                await asyncio.wait_for(writer.drain(), self.stall_timeout)
+                exp.cleanup.pop()()
             except Exception:
-                pass
-        finally:
-            self.active -= 1
-            writer.close()
+                log.exception("transfer cleanup failed")
 
-    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reason: str) -> None:
-        """Say why, then discard what the sender still has in flight (bounded), so it reads the reason
-        instead of a connection reset."""
+    # -- shared by every transport ------------------------------------------------------------
+
+    def begin(self, header: TransferHeader, transport: str) -> tuple[Expected, Assembly]:
+        """Validate a HELLO against the agreed transfer; → (its Expected, an Assembly to fill)."""
+        exp = self._expected.get(header.transfer_token)
+        if exp is None:
+            raise TransferError("unknown or expired transfer token")
+        if exp.future.done():
+            raise TransferError("transfer token already used")
         try:
-            writer.write(b"".join(_frame(ACK, json.dumps({"ok": False, "error": reason}).encode())))
-            await asyncio.wait_for(writer.drain(), 1.0)
-            deadline = asyncio.get_running_loop().time() + 1.0
-            while (left := deadline - asyncio.get_running_loop().time()) > 0:
-                if not await asyncio.wait_for(reader.read(1 << 20), left):
-                    break
-        except (asyncio.TimeoutError, ConnectionError, OSError):
-            pass
+            self._check_header(exp, header, transport)
+        except (TransferError, LayoutMismatch) as e:
+            self.fail(header.transfer_token, str(e))
+            raise
+        loop = asyncio.get_running_loop()
 
-    def _check_header(self, exp: Expected, h: TransferHeader) -> None:
+        def on_layer(i: int, t: torch.Tensor) -> None:
+            if exp.layer_queue is not None:
+                loop.call_soon_threadsafe(exp.layer_queue.put_nowait, (i, t))
+
+        return exp, Assembly(self.layout, header, on_layer)
+
+    def complete(self, exp: Expected, asm: Assembly) -> dict:
+        kv, stats = asm.finish()
+        self.bytes_received += asm.bytes_on_wire
+        if not exp.future.done():
+            exp.future.set_result((kv, stats))
+        self._run_cleanup(exp)
+        return stats
+
+    def _check_header(self, exp: Expected, h: TransferHeader, transport: str) -> None:
         if h.request_id != exp.request_id:
             raise TransferError(f"transfer token belongs to request {exp.request_id}, stream says {h.request_id}")
         if h.sender_id != exp.sender_id or h.sender_generation != exp.sender_generation:
@@ -264,24 +706,166 @@ class KVReceiver:
             raise TransferError(f"chunk count {h.num_chunks} != layers {self.layout.num_layers}")
         if h.total_bytes != self.layout.payload_bytes(h.num_tokens):
             raise TransferError(f"size {h.total_bytes} B != layout's {self.layout.payload_bytes(h.num_tokens)} B")
+        if h.compression != exp.compression:
+            raise TransferError(f"compression {h.compression!r}, agreed {exp.compression!r}")
+        if h.transport != exp.transport or transport not in (h.transport, "tcp" if h.transport == "shm" else None):
+            raise TransferError(f"transport {h.transport!r} over {transport}, agreed {exp.transport!r}")
+        if h.transport == "shm" and h.compression != "none":
+            raise TransferError("shared memory carries uncompressed KV only")
 
-    async def _receive_body(self, reader: asyncio.StreamReader, h: TransferHeader) -> tuple[KVBlocks, dict]:
-        t0 = time.monotonic()
-        lay = self.layout
-        nb = lay.num_blocks(h.num_tokens)
-        layer_bytes = nb * lay.block_bytes
-        layers: list[torch.Tensor] = []
-        for i in range(h.num_chunks):
-            kind, layer, payload = await _read_frame(reader, self.stall_timeout, MAX_CHUNK)
-            if kind != CHUNK or layer != i:
-                raise TransferError(f"expected chunk for layer {i}, got kind {kind} layer {layer}")
-            if len(payload) != layer_bytes:
-                raise TransferError(f"layer {i}: {len(payload)} bytes, layout says {layer_bytes}")
-            t = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(lay.torch_dtype)
-            layers.append(t.view(nb, 2, lay.kv_heads, lay.block_size, lay.head_dim))
-            self.bytes_received += len(payload)
-        kind, _, payload = await _read_frame(reader, self.stall_timeout, MAX_CONTROL_FRAME)
-        if kind != END:
-            raise TransferError(f"expected END, got frame kind {kind}")
-        seconds = time.monotonic() - t0
-        return KVBlocks(lay, h.num_tokens, layers), {"bytes": h.total_bytes, "seconds": seconds}
+    # -- TCP / shm -----------------------------------------------------------------------------
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except asyncio.CancelledError:
+                return
+            except OSError:
+                if self._listener.fileno() < 0:
+                    return
+                continue
+            t = asyncio.create_task(self._handle(conn))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _handle(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        self.active += 1
+        self._conns.add(sock)
+        sock.setblocking(True)
+        sock.settimeout(self.stall_timeout)
+        exp: Expected | None = None
+        token = None
+        try:
+            try:
+                hdr = await loop.run_in_executor(_POOL, self._read_control, sock, HELLO)
+                try:
+                    header = TransferHeader.model_validate_json(hdr)
+                except Exception as e:
+                    raise TransferError(f"malformed transfer header: {e}") from None
+                token = header.transfer_token
+                exp, asm = self.begin(header, "tcp")
+                await loop.run_in_executor(_POOL, self._receive_body, sock, asm, token)
+                stats = self.complete(exp, asm)
+            except (TransferError, LayoutMismatch) as e:
+                if token is not None:
+                    self.fail(token, str(e))
+                log.warning("kv transfer refused: %s", e)
+                await loop.run_in_executor(_POOL, self._refuse, sock, str(e))
+                return
+            await loop.run_in_executor(_POOL, self._send_ack, sock, {"ok": True, **stats})
+        finally:
+            self.active -= 1
+            self._conns.discard(sock)
+            sock.close()
+
+    def _read_header(self, sock: socket.socket, max_len: int) -> tuple[int, int, int, int, int]:
+        try:
+            return _parse_header(_recv_exact(sock, bytearray(_HDR.size)), max_len)
+        except socket.timeout:
+            raise TransferError(f"peer stalled: nothing for {self.stall_timeout:.1f} s") from None
+        except OSError as e:
+            raise TransferError(f"connection lost: {e}") from None
+
+    def _read_into(self, sock: socket.socket, mv) -> memoryview:
+        try:
+            return _recv_exact(sock, mv)
+        except socket.timeout:
+            raise TransferError(f"peer stalled: nothing for {self.stall_timeout:.1f} s") from None
+        except OSError as e:
+            raise TransferError(f"connection lost: {e}") from None
+
+    def _read_control(self, sock: socket.socket, want: int) -> bytes:
+        kind, layer, crc, _, length = self._read_header(sock, MAX_CONTROL_FRAME)
+        payload = bytes(self._read_into(sock, bytearray(length)))
+        if zlib.crc32(payload) != crc:
+            raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
+        if kind != want:
+            raise TransferError(f"expected {'HELLO' if want == HELLO else 'END'}, got frame kind {kind}")
+        return payload
+
+    def _receive_body(self, sock: socket.socket, asm: Assembly, token: str) -> None:
+        """Frames until END, each payload received in place; crc of chunk i checked while chunk i+1 arrives."""
+        pending = None  # (future crc, expected crc, kind, layer, length)
+        mm: mmap.mmap | None = None
+
+        def settle():
+            nonlocal pending
+            if pending is not None:
+                fut, crc, kind, layer, length = pending
+                pending = None
+                if fut.result() != crc:
+                    raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
+                asm.commit(kind, layer, length)
+
+        try:
+            while True:
+                kind, layer, crc, offset, length = self._read_header(sock, MAX_CHUNK)
+                if kind == END:
+                    settle()
+                    payload = bytes(self._read_into(sock, bytearray(length)))
+                    if zlib.crc32(payload) != crc:
+                        raise TransferError("corrupt END frame")
+                    return
+                if kind == SHM:
+                    settle()
+                    if asm.header.transport != "shm":
+                        raise TransferError("shared-memory frame in a TCP transfer")
+                    if mm is None:
+                        mm = self._map_segment(token, asm.header.total_bytes)
+                    if offset + length > len(mm):
+                        raise TransferError(f"layer {layer} lies outside the shared-memory segment")
+                    if asm.header.shm_verify and zlib.crc32(memoryview(mm)[offset:offset + length]) != crc:
+                        raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
+                    view = torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=offset) if length else \
+                        torch.empty(0, dtype=torch.uint8)
+                    asm.adopt(layer, view)
+                    continue
+                mv = asm.target(kind, layer, offset, length)
+                self._read_into(sock, mv)
+                settle()
+                pending = (_CRC_POOL.submit(_crc, mv), crc, kind, layer, length)
+        finally:
+            # On failure nothing keeps the mapping; on success the layer tensors do (the file is gone).
+            pass
+
+    def _map_segment(self, token: str, size: int) -> mmap.mmap:
+        path = shm_path(token)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise TransferError("shared-memory segment of this transfer is missing") from None
+        try:
+            if os.fstat(fd).st_size != max(size, 1):
+                raise TransferError(f"shared-memory segment is {os.fstat(fd).st_size} B, expected {size} B")
+            mm = mmap.mmap(fd, max(size, 1))
+        finally:
+            os.close(fd)
+            unlink_quietly(path)  # the mapping lives on; no name is left to leak
+        return mm
+
+    def _send_ack(self, sock: socket.socket, ack: dict) -> None:
+        try:
+            hdr, payload = _frame(ACK, json.dumps(ack).encode())
+            sock.sendall(hdr + payload)
+        except OSError:
+            pass
+
+    def _refuse(self, sock: socket.socket, reason: str) -> None:
+        """Say why, then discard what the sender still has in flight (bounded), so it reads the reason
+        instead of a connection reset."""
+        self._send_ack(sock, {"ok": False, "error": reason})
+        deadline = time.monotonic() + 1.0
+        try:
+            sock.settimeout(0.2)
+            buf = bytearray(1 << 20)
+            while time.monotonic() < deadline:
+                try:
+                    if not sock.recv_into(buf):
+                        break
+                except socket.timeout:
+                    continue
+        except OSError:
+            pass
