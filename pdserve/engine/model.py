@@ -1,0 +1,221 @@
+"""Our own Llama forward over a ragged batch and a paged KV pool (gpt-fast style: one dataclass of shapes, small modules).
+
+A step's input is the new tokens of several sequences concatenated, `[T]`, with their absolute
+positions `[T]`. Each layer writes the new K/V into the pool at the step's slot mapping and then
+attends, causally, over each sequence's block table (`pdserve.kernels.paged_attention`). Logits
+are computed only for the rows asked for (the last token of each sequence for decode, all k+1
+for speculative verification) — the vocabulary projection is the largest matmul of a small model.
+
+Weights load straight from the checkpoint folder's safetensors (Hugging Face Llama names).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from pdserve.kernels.paged_attention import paged_attention, write_kv
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    dim: int  # hidden size
+    n_layers: int
+    n_heads: int  # query heads
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        archs = cfg.get("architectures") or []
+        if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
+            raise ValueError(f"the paged engine runs Llama models; this checkpoint is {cfg.get('model_type')!r} {archs}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope type {rope_type!r} is not supported by the paged engine (only 'default')")
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise ValueError("Llama checkpoints with attention/MLP biases are not supported by the paged engine")
+        n_heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads", n_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            max_position=cfg.get("max_position_embeddings", 2048),
+            tie_embeddings=cfg.get("tie_word_embeddings", False),
+        )
+
+
+@dataclass
+class PagedBatch:
+    """Where a ragged step reads and writes KV (S sequences, T new tokens in all)."""
+
+    slot_mapping: Tensor  # [T] int64: pool slot (block * block_size + offset) of each new token
+    block_tables: Tensor  # [S, max_blocks] int32
+    seq_lens: Tensor  # [S] int32: cached tokens per sequence, this step's included
+    query_start: Tensor  # [S+1] int32: sequence s's new tokens are rows query_start[s]:query_start[s+1]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, attention_impl: str):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_size, self.kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.wqkv = nn.Linear(args.dim, self.q_size + 2 * self.kv_size, bias=False)
+        self.wo = nn.Linear(self.q_size, args.dim, bias=False)
+        self.scale = args.head_dim**-0.5
+        self.impl = attention_impl
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_pool: Tensor, batch: PagedBatch) -> Tensor:
+        t = x.shape[0]
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv_heads, self.head_dim)
+        v = v.view(t, self.n_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, head_dim]
+        k = k * cos + rotate_half(k) * sin
+        write_kv(kv_pool, batch.slot_mapping, k, v)
+        y = paged_attention(
+            q, kv_pool, batch.block_tables, batch.seq_lens, batch.query_start, self.scale, impl=self.impl
+        )
+        return self.wo(y.reshape(t, self.q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.hidden = args.intermediate_size
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.hidden, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, attention_impl: str):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, attention_impl)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_pool: Tensor, batch: PagedBatch) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, kv_pool, batch)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, attention_impl: str = "reference"):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args, attention_impl) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = _rope(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv: Tensor, batch: PagedBatch, logits_index: Tensor) -> Tensor:
+        """One ragged step.
+
+        input_ids `[T]` int64, positions `[T]` int64 (absolute, < max_position), kv the pool
+        `[n_layers, num_blocks, 2, kv_heads, block_size, head_dim]` (written in place at
+        `batch.slot_mapping`), logits_index `[N]` int64 rows of the T to project.
+        Returns logits `[N, vocab]` float32.
+        """
+        x = self.tok_embeddings(input_ids)
+        dtype = x.dtype
+        cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
+        sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv[i], batch)
+        x = self.norm(x[logits_index])
+        return self.output(x).float()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        attention_impl: str = "reference") -> "Transformer":
+        """Build from a Hugging Face Llama checkpoint folder (config.json + *.safetensors)."""
+        model_dir = Path(model_dir)
+        args = ModelArgs.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+        hf: dict[str, Tensor] = {}
+        for f in files:
+            hf.update(load_file(str(f)))
+        with torch.device("meta"):
+            model = cls(args, attention_impl)
+        state = _from_hf_names(hf, args)
+        model.load_state_dict(state, strict=False, assign=True)  # rope buffers are not in the checkpoint
+        cos, sin = _rope(args)  # computed in float32 on the host, like Hugging Face's rotary embedding
+        model.register_buffer("rope_cos", cos, persistent=False)
+        model.register_buffer("rope_sin", sin, persistent=False)
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def _rope(args: ModelArgs) -> tuple[Tensor, Tensor]:
+    """cos, sin tables `[max_position, head_dim]` in Hugging Face's rotate_half order."""
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
+    freqs = torch.outer(torch.arange(args.max_position, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _from_hf_names(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
+    """Hugging Face Llama parameter names → ours (q/k/v and gate/up fused)."""
+    out = {
+        "tok_embeddings.weight": hf["model.embed_tokens.weight"],
+        "norm.weight": hf["model.norm.weight"],
+        "output.weight": hf["model.embed_tokens.weight"] if args.tie_embeddings else hf["lm_head.weight"],
+    }
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}."
+        out[f"layers.{i}.attention_norm.weight"] = hf[p + "input_layernorm.weight"]
+        out[f"layers.{i}.ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        out[f"layers.{i}.attention.wqkv.weight"] = torch.cat(
+            [hf[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0
+        )
+        out[f"layers.{i}.attention.wo.weight"] = hf[p + "self_attn.o_proj.weight"]
+        out[f"layers.{i}.feed_forward.w13.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
+        )
+        out[f"layers.{i}.feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"]
+    return out

@@ -1,0 +1,214 @@
+"""PagedRunner: our Llama forward over a BlockPool — chunked prefill with prefix reuse, batched ragged steps, rollback.
+
+A sequence lives in the pool as a block table plus its token ids. `prefill` reuses the longest
+cached prefix of whole blocks and computes only the rest, in chunks; `step` runs one forward for
+a whole batch in which each sequence brings 1 token (decode), k+1 (speculative verification) or
+a prompt chunk; `rollback` drops rejected tokens. KV enters and leaves as `KVBlocks`, the same
+payload `pdserve.runtime.ModelRunner` produces, so handoffs work between both runtimes.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from pdserve.engine.blocks import BlockPool, OutOfBlocks
+from pdserve.engine.model import PagedBatch, Transformer
+from pdserve.kvtransfer.layout import KVBlocks, KVLayout, dtype_name
+from pdserve.modelstore import model_fingerprint
+from pdserve.runtime import DEFAULT_BLOCK_SIZE
+
+log = logging.getLogger("pdserve.engine")
+
+__all__ = ["PagedRunner", "OutOfBlocks"]
+
+
+class PagedRunner:
+    """One model and one KV block pool on one device. Not thread-safe: call it from one compute thread.
+
+    `num_blocks` sizes the pool: each block holds `block_size` tokens of every layer
+    (`layout.block_bytes * num_layers` bytes). `attention_impl` is passed to
+    `paged_attention` ("reference" on the CPU, "auto" elsewhere by default).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int = 512,
+        attention_impl: str | None = None,
+    ):
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        impl = attention_impl or ("reference" if self.device.type == "cpu" else "auto")
+        self.model = Transformer.from_pretrained(self.model_dir, dtype=dtype, device=self.device, attention_impl=impl)
+        args = self.model.args
+        self.args = args
+        self.max_context = args.max_position
+        self.vocab_size = args.vocab_size
+        self.layout = KVLayout(
+            model_fingerprint=model_fingerprint(self.model_dir),
+            num_layers=args.n_layers,
+            kv_heads=args.n_kv_heads,
+            head_dim=args.head_dim,
+            dtype=dtype_name(dtype),
+            block_size=block_size,
+        )
+        self.pool = BlockPool(self.layout, num_blocks, device=self.device)
+        # Token ids whose K/V the pool holds, per sequence; None where they are unknown (a KV
+        # import without its tokens), which only means its blocks are not offered to the prefix cache.
+        self._tokens: dict[object, list[int] | None] = {}
+
+    # -- sequences -------------------------------------------------------------------------
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._tokens
+
+    def num_tokens(self, seq_id) -> int:
+        return self.pool.num_tokens(seq_id)
+
+    def start(self, seq_id, token_ids: list[int]) -> int:
+        """Open a sequence for `token_ids`, reusing the longest cached prefix of whole blocks.
+
+        Returns how many leading tokens are already in the cache (a multiple of block_size,
+        always < len(token_ids) so the last token is computed and gives logits); feed the rest
+        with `step`, in chunks if wanted. Raises OutOfBlocks (nothing changed).
+        """
+        if not token_ids:
+            raise ValueError(f"sequence {seq_id!r}: empty prompt")
+        if seq_id in self._tokens:
+            raise KeyError(f"sequence {seq_id!r} already exists")
+        self._check_context(seq_id, len(token_ids))
+        blocks, cached = self.pool.match_prefix(token_ids)
+        if cached == len(token_ids):  # recompute the last block: its last token's logits are needed
+            blocks, cached = blocks[:-1], cached - self.layout.block_size
+        self.pool.allocate(seq_id, cached, prefix_blocks=blocks)
+        self._tokens[seq_id] = list(token_ids[:cached])
+        return cached
+
+    @torch.inference_mode()
+    def prefill(self, seq_id, token_ids: list[int], chunk_size: int | None = None) -> Tensor:
+        """Prompt → logits of its last position `[vocab]` (float32); the KV stays in the pool under `seq_id`.
+
+        Reuses a cached prefix (`start`) and computes the rest in chunks of `chunk_size` tokens
+        (all at once if None). On OutOfBlocks the sequence is freed and the error re-raised.
+        """
+        cached = self.start(seq_id, token_ids)
+        rest = token_ids[cached:]
+        chunk = chunk_size or len(rest)
+        try:
+            for i in range(0, len(rest), chunk):
+                (logits,) = self.step([(seq_id, rest[i : i + chunk])], last_only=True)
+        except BaseException:
+            self.free(seq_id)
+            raise
+        return logits[-1]
+
+    @torch.inference_mode()
+    def step(self, batch: list[tuple[object, list[int]]], *, last_only: bool = False) -> list[Tensor]:
+        """One forward for a ragged batch: each (seq_id, new_token_ids) appends its tokens to that sequence.
+
+        Returns, per sequence in order, logits `[n_i, vocab]` float32 for its n_i new tokens
+        (`[1, vocab]` for the last one only if `last_only`): row j predicts the token after
+        new_token_ids[j]. If the pool cannot hold the new tokens, raises OutOfBlocks and leaves
+        every sequence as it was.
+        """
+        if not batch:
+            return []
+        seq_ids = [sid for sid, _ in batch]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence appears twice in one step: {seq_ids}")
+        starts: list[int] = []
+        slots: list[Tensor] = []
+        try:
+            for sid, new in batch:
+                if sid not in self._tokens:
+                    raise KeyError(f"unknown sequence {sid!r}")
+                if not new:
+                    raise ValueError(f"sequence {sid!r}: a step brings at least one token")
+                start = self.pool.num_tokens(sid)
+                self._check_context(sid, start + len(new))
+                slots.append(self.pool.append_slots(sid, len(new)))
+                starts.append(start)
+        except BaseException:
+            for (sid, _), start in zip(batch, starts):
+                self.pool.truncate(sid, start)
+            raise
+
+        lens = [len(new) for _, new in batch]
+        seq_lens = [s + n for s, n in zip(starts, lens)]
+        tables = [self.pool.block_table(sid) for sid in seq_ids]
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        query_start = torch.zeros(len(batch) + 1, dtype=torch.int32)
+        query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        input_ids = torch.tensor([t for _, new in batch for t in new], dtype=torch.int64)
+        ends = query_start[1:].to(torch.int64)
+        if last_only:
+            logits_index = ends - 1
+        else:
+            logits_index = torch.arange(int(ends[-1]))
+        dev = self.device
+        meta = PagedBatch(
+            slot_mapping=torch.cat(slots).to(dev),
+            block_tables=block_tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start=query_start.to(dev),
+        )
+        logits = self.model(input_ids.to(dev), positions.to(dev), self.pool.kv, meta, logits_index.to(dev))
+
+        for sid, new in batch:
+            toks = self._tokens[sid]
+            if toks is not None:
+                toks.extend(new)
+                self.pool.register_prefix(sid, toks)
+        if last_only:
+            return list(logits.split(1))
+        return list(logits.split(lens))
+
+    def rollback(self, seq_id, num_tokens: int) -> None:
+        """Cut a sequence back to its first `num_tokens` tokens (drop rejected speculative tokens); frees whole blocks past the end."""
+        self.pool.truncate(seq_id, num_tokens)
+        toks = self._tokens[seq_id]
+        if toks is not None:
+            del toks[num_tokens:]
+
+    def free(self, seq_id) -> None:
+        """Release a sequence; its full blocks stay in the prefix cache until the pool needs them."""
+        self.pool.free(seq_id)
+        del self._tokens[seq_id]
+
+    # -- KV in and out as blocks -----------------------------------------------------------
+
+    def export_kv(self, seq_id) -> KVBlocks:
+        """A copy of a sequence's KV as `KVBlocks` (on the CPU), what the channel moves."""
+        return self.pool.export_blocks(seq_id)
+
+    def import_kv(self, seq_id, kv: KVBlocks, token_ids: list[int] | None = None) -> None:
+        """Create a sequence from a received KV (refused with LayoutMismatch if its layout differs).
+
+        With `token_ids` (the tokens the KV holds) its full blocks join the prefix cache.
+        """
+        if seq_id in self._tokens:
+            raise KeyError(f"sequence {seq_id!r} already exists")
+        if token_ids is not None and len(token_ids) != kv.num_tokens:
+            raise ValueError(f"sequence {seq_id!r}: {len(token_ids)} token ids for a KV of {kv.num_tokens} tokens")
+        self._check_context(seq_id, kv.num_tokens)
+        self.pool.import_blocks(seq_id, kv)
+        self._tokens[seq_id] = list(token_ids) if token_ids is not None else None
+        if token_ids is not None:
+            self.pool.register_prefix(seq_id, self._tokens[seq_id])
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check_context(self, seq_id, n: int) -> None:
+        if n > self.max_context:
+            raise ValueError(f"sequence {seq_id!r}: {n} tokens exceed the model's context of {self.max_context}")
