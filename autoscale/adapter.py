@@ -409,7 +409,11 @@ class MetricsAdapter:
 
     async def close(self) -> None:
         if self._nc is not None:
-            await self._nc.drain()
+            try:
+                await self._nc.drain()
+            except Exception as e:  # NATS gone or reconnecting: nothing left to drain
+                log.info("NATS drain skipped at shutdown: %s", type(e).__name__)
+                await self._nc.close()
             self._nc = None
         if self._runner is not None:
             await self._runner.cleanup()

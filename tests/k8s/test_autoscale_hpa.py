@@ -14,8 +14,12 @@ Routing: there is no kube-proxy, so a ClusterIP Service cannot reach the adapter
 object may not hold a loopback address. The APIService points at an `ExternalName` Service whose
 name is 127.0.0.1: the aggregator resolves ExternalName services to that host and the APIService's
 port, and still verifies the serving certificate for `<service>.<namespace>.svc` against `caBundle`
-(no `insecureSkipTLSVerify`). No extra apiserver flags are needed for this; the adapter runs
-without `--client-ca-file` here because the harness does not configure front-proxy certificates.
+(no `insecureSkipTLSVerify`). No extra apiserver flags are needed for this.
+
+Front-proxy authentication: if the harness's cluster exposes `front_proxy_ca` (the path of the CA
+given to the apiserver as `--requestheader-client-ca-file`, with `--proxy-client-cert-file/-key-file`
+signed by it), the adapter runs with `--client-ca-file` and answers only the aggregator. The harness
+does not do so yet; then the adapter serves one-way TLS.
 """
 from __future__ import annotations
 
@@ -111,16 +115,18 @@ class FakeKubelet(threading.Thread):
 
 
 @pytest.fixture
-def adapter_process(nats_server, tmp_path, k8s_namespace):
+def adapter_process(k8s_cluster, nats_server, tmp_path, k8s_namespace):
     """`pdserve metrics-adapter` as a child process with a serving cert for the aggregator's name."""
     svc = "pdserve-metrics-adapter"
     certs = make_serving_cert(tmp_path / "tls", [f"{svc}.{k8s_namespace}.svc", "127.0.0.1", "localhost"])
     port = free_port()
     env = {**os.environ, **nats_server.creds.env()}
     log = open(tmp_path / "adapter.log", "wb")
+    front_proxy_ca = getattr(k8s_cluster, "front_proxy_ca", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "metrics-adapter", "--nats-url", nats_server.creds.url,
-         "--host", "127.0.0.1", "--port", str(port), "--cert", str(certs.cert), "--key", str(certs.key)],
+         "--host", "127.0.0.1", "--port", str(port), "--cert", str(certs.cert), "--key", str(certs.key),
+         *(["--client-ca-file", str(front_proxy_ca)] if front_proxy_ca else [])],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     ctx = ssl.create_default_context(cafile=str(certs.ca_cert))
