@@ -18,6 +18,14 @@ Subjects (`{m}` is the served model name, `{w}` a worker id, `{r}` a request id)
 | pdserve.v1.cancel.{r}                    | front → workers  | Cancel                       |
 | pdserve.v1.load.{role}.{w}               | worker → all     | LoadReport (1 Hz; heartbeat) |
 | pdserve.v1.bye.{role}.{w}                | worker → all     | LoadReport (clean shutdown)  |
+| pdserve.v1.kv.{t}.data                   | prefill → decode | KV frames (NATS-chunked and  |
+|                                          |                  | object-store transports)     |
+| pdserve.v1.kv.failed.{r}                 | either side → all| TransferFailed               |
+
+`{t}` is a one-time transfer token. KV transports (`HandoffOffer.transports`, chosen in
+`HandoffReply.transport`): "shm" (same host), "tcp" (direct stream), "nats" (chunked messages on
+`kv.{t}.data`, the fallback that always works), "objstore" (the JetStream object store, the offload
+tier). See `kvtransfer.channel`.
 """
 from __future__ import annotations
 
@@ -74,6 +82,16 @@ class Subjects:
         return f"{PREFIX}.bye.{role}.{_safe_token(worker_id)}"
 
     BYE_ALL = f"{PREFIX}.bye.>"
+
+    @staticmethod
+    def kv_data(transfer_token: str) -> str:
+        return f"{PREFIX}.kv.{_safe_token(transfer_token)}.data"
+
+    @staticmethod
+    def kv_failed(request_id: str) -> str:
+        return f"{PREFIX}.kv.failed.{_safe_token(request_id)}"
+
+    KV_FAILED_ALL = f"{PREFIX}.kv.failed.*"
 
 
 class Message(BaseModel):
@@ -176,6 +194,10 @@ class HandoffOffer(Message):
     next_seq: int  # sequence number of the next StreamEvent
     failure_policy: FailurePolicy = "recompute"
     spec: dict | None = None
+    # KV transport negotiation (all optional: an offer without them means direct TCP, uncompressed).
+    transports: list[str] = Field(default_factory=lambda: ["tcp"])  # sender's preference order
+    host_id: str | None = None  # equal on both sides ⇒ they share memory (see kvtransfer.tcp.host_id)
+    compression: Literal["none", "int8", "fp8"] = "none"  # what the sender would like on the wire
 
 
 class HandoffReply(Message):
@@ -184,6 +206,26 @@ class HandoffReply(Message):
     transfer_token: str | None = None
     data_addr: str | None = None
     error: str | None = None
+    transport: str = "tcp"  # the one the receiver picked from the offer's list
+    compression: Literal["none", "int8", "fp8"] = "none"  # the one it agreed to
+    rendezvous: dict = Field(default_factory=dict)  # per transport: {"subject": …} for nats/objstore, …
+
+
+class TransferFailed(Message):
+    """Either side → `kv.failed.{request_id}`: a KV transfer failed; the record says who, how and why.
+
+    The decode side still applies the request's failure policy (recompute or fail); this record is for
+    the other side, the front and operators (metrics, logs), so a failure never vanishes.
+    """
+
+    request_id: str
+    transfer_token: str | None = None
+    worker_id: str
+    side: Literal["sender", "receiver"]
+    transport: str
+    reason: str
+    bytes_done: int = 0
+    time_unix_s: float = Field(default_factory=time.time)
 
 
 class Usage(BaseModel):

@@ -1,0 +1,275 @@
+"""KV over NATS: chunked messages (the fallback that always works) and the JetStream object store (offload tier).
+
+Both use the frames of `kvtransfer.tcp` — one frame per NATS message on the transfer's own subject
+`pdserve.v1.kv.{token}.data` (chunks stay below the server's max_payload). Every message is a request:
+the receiver answers each with `{"ok": true}` or the error that stopped it, and the sender keeps at most
+`window` chunks unanswered (flow control). The last answer (to END) is the ACK with the receiver's stats.
+
+The object-store transport puts the whole frame stream as one object (bucket with a TTL, memory
+storage), then sends one OBJECT frame naming it; the receiver fetches, checks, deletes it. The TTL
+removes whatever a dead peer leaves behind.
+
+Stalls are bounded on both sides: the sender's requests time out after `timeout` s; the receiver's
+watchdog fails a transfer that has seen nothing for `stall_timeout` s.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import zlib
+from typing import AsyncIterator
+
+import torch
+
+from pdserve.kvtransfer.protocol import Subjects
+from pdserve.kvtransfer.tcp import (
+    CHUNK, DEFAULT_CHUNK_BYTES, END, HELLO, MAX_CHUNK, MAX_CONTROL_FRAME, SCALES, Assembly, KVReceiver,
+    TransferError, TransferHeader, _HDR, _frame, _parse_header, layer_wire_pieces,
+)
+from pdserve.kvtransfer.layout import KVBlocks, LayoutMismatch
+
+log = logging.getLogger("pdserve.kvtransfer.nats")
+
+OBJECT = 7  # frame kind: JSON {"bucket", "name"} of an object holding the transfer's frames
+NATS_CHUNK_BYTES = 4 << 20  # below the 8 MB max_payload with room for headers
+DEFAULT_BUCKET = "pdserve-kv-transfer"
+DEFAULT_OBJECT_TTL_S = 300.0
+
+
+def _msg(kind: int, payload, layer: int = 0, offset: int = 0) -> bytes:
+    hdr, body = _frame(kind, payload, layer, offset)
+    return hdr + bytes(body)
+
+
+async def ensure_bucket(js, bucket: str = DEFAULT_BUCKET, ttl_s: float = DEFAULT_OBJECT_TTL_S):
+    """The object store bucket (memory storage, objects expire after `ttl_s`), created if missing."""
+    from nats.js.api import ObjectStoreConfig, StorageType
+
+    try:
+        return await js.object_store(bucket)
+    except Exception:
+        return await js.create_object_store(bucket, config=ObjectStoreConfig(
+            bucket=bucket, ttl=ttl_s, storage=StorageType.MEMORY))
+
+
+# --- sender -------------------------------------------------------------------------------
+
+
+async def send_kv_nats(nc, header: TransferHeader, layers: AsyncIterator[tuple[int, torch.Tensor]], *,
+                       timeout: float = 30.0, window: int = 8, chunk_bytes: int = NATS_CHUNK_BYTES) -> dict:
+    """Send layers as chunked NATS requests on the transfer's subject; → the receiver's ACK.
+
+    At most `window` chunks are in flight; each must be answered within `timeout` s.
+    """
+    subject = Subjects.kv_data(header.transfer_token)
+    sem = asyncio.Semaphore(window)
+    failures: list[str] = []
+    inflight: set[asyncio.Task] = set()
+
+    async def request(data: bytes) -> dict:
+        import nats.errors
+
+        try:
+            raw = await nc.request(subject, data, timeout=timeout)
+        except nats.errors.NoRespondersError:
+            raise TransferError(f"nobody receives transfer {header.transfer_token} on NATS (receiver gone)") from None
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            raise TransferError(f"NATS transfer stalled: no answer within {timeout:.1f} s") from None
+        except Exception as e:  # connection closed / reconnecting
+            raise TransferError(f"NATS transfer broke: {type(e).__name__}: {e}") from None
+        reply = json.loads(raw.data)
+        if not reply.get("ok"):
+            raise TransferError(f"receiver refused KV: {reply.get('error')}")
+        return reply
+
+    async def chunk(data: bytes) -> None:
+        try:
+            await request(data)
+        except TransferError as e:
+            failures.append(str(e))
+        finally:
+            sem.release()
+
+    await request(_msg(HELLO, header.model_dump_json().encode()))
+    sent = 0
+    try:
+        async for index, layer in layers:
+            for kind, li, off, payload in layer_wire_pieces(index, layer, header.compression, chunk_bytes):
+                await sem.acquire()
+                if failures:
+                    raise TransferError(failures[0])
+                t = asyncio.create_task(chunk(_msg(kind, payload, li, off)))
+                inflight.add(t)
+                t.add_done_callback(inflight.discard)
+            sent += 1
+        if inflight:
+            await asyncio.gather(*inflight)
+        if failures:
+            raise TransferError(failures[0])
+        return await request(_msg(END, json.dumps({"chunks": sent, "bytes": header.total_bytes}).encode()))
+    finally:
+        for t in inflight:
+            t.cancel()
+
+
+async def send_kv_objstore(nc, header: TransferHeader, kv: KVBlocks, *, bucket: str = DEFAULT_BUCKET,
+                           ttl_s: float = DEFAULT_OBJECT_TTL_S, timeout: float = 30.0) -> dict:
+    """Put the transfer's frames as one object (TTL `ttl_s`), name it to the receiver; → its ACK."""
+    import nats.errors
+
+    js = nc.jetstream()
+    store = await ensure_bucket(js, bucket, ttl_s)
+    parts = []
+    for i, layer in enumerate(kv.layers):
+        for kind, li, off, payload in layer_wire_pieces(i, layer, header.compression, MAX_CHUNK):
+            hdr, body = _frame(kind, payload, li, off)
+            parts += [hdr, body]
+    parts += _frame(END, json.dumps({"chunks": len(kv.layers), "bytes": header.total_bytes}).encode())
+    name = f"kv-{header.transfer_token}"
+    await asyncio.wait_for(store.put(name, b"".join(parts)), timeout)
+    del parts
+    ref = json.dumps({"bucket": bucket, "name": name}).encode()
+    try:
+        raw = await nc.request(Subjects.kv_data(header.transfer_token),
+                               _msg(HELLO, header.model_dump_json().encode()) + _msg(OBJECT, ref), timeout=timeout)
+        reply = json.loads(raw.data)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError) as e:
+        reply = {"ok": False, "error": f"receiver did not fetch the object: {type(e).__name__}"}
+    if not reply.get("ok"):
+        try:  # the receiver deletes it after a fetch; on failure it is ours (and the TTL's)
+            await store.delete(name)
+        except Exception:
+            pass
+        raise TransferError(f"receiver refused KV: {reply.get('error')}")
+    return reply
+
+
+# --- receiver -----------------------------------------------------------------------------
+
+
+def _split(data: bytes | memoryview, max_len: int):
+    """Frames in a byte string: yields (kind, layer, crc, offset, payload memoryview)."""
+    mv = memoryview(data)
+    pos = 0
+    while pos < len(mv):
+        if len(mv) - pos < _HDR.size:
+            raise TransferError("stream truncated: partial frame header")
+        kind, layer, crc, offset, length = _parse_header(mv[pos:pos + _HDR.size], max_len)
+        pos += _HDR.size
+        if len(mv) - pos < length:
+            raise TransferError(f"stream truncated: got {len(mv) - pos} of {length} bytes")
+        yield kind, layer, crc, offset, mv[pos:pos + length]
+        pos += length
+
+
+class NatsTransferServer:
+    """Receives one agreed transfer over NATS (chunked messages or an object-store reference).
+
+    Created by the receive channel when it picks "nats" or "objstore"; subscribes to the transfer's
+    subject, fills an `Assembly`, resolves the receiver's future, then unsubscribes (on success,
+    failure, stall or cancel alike).
+    """
+
+    def __init__(self, nc, receiver: KVReceiver, token: str, stall_timeout: float):
+        self.nc, self.rx, self.token, self.stall_timeout = nc, receiver, token, stall_timeout
+        self.exp = receiver._expected[token]
+        self.asm: Assembly | None = None
+        self.last = time.monotonic()
+        self.sub = None
+        self.watchdog: asyncio.Task | None = None
+
+    async def start(self) -> "NatsTransferServer":
+        self.sub = await self.nc.subscribe(Subjects.kv_data(self.token), cb=self._on_msg)
+        self.watchdog = asyncio.create_task(self._watch())
+        self.exp.cleanup.append(self._stop)
+        return self
+
+    def _stop(self) -> None:
+        if self.watchdog and self.watchdog is not asyncio.current_task():
+            self.watchdog.cancel()
+        if self.sub is not None:
+            sub, self.sub = self.sub, None
+            asyncio.ensure_future(self._unsubscribe(sub))
+
+    @staticmethod
+    async def _unsubscribe(sub) -> None:
+        try:
+            await sub.unsubscribe()
+        except Exception:
+            pass  # connection gone: the server dropped the interest with it
+
+    async def _watch(self) -> None:
+        while not self.exp.future.done():
+            idle = time.monotonic() - self.last
+            if idle > self.stall_timeout:
+                self.rx.fail(self.token, f"peer stalled: nothing for {self.stall_timeout:.1f} s (NATS transfer)")
+                return
+            await asyncio.sleep(min(0.2, self.stall_timeout - idle + 0.01))
+
+    async def _on_msg(self, msg) -> None:
+        self.last = time.monotonic()
+        try:
+            if self.exp.future.done():
+                raise TransferError("transfer already ended")
+            reply = await self._handle(msg.data)
+        except (TransferError, LayoutMismatch) as e:
+            self.rx.fail(self.token, str(e))
+            reply = {"ok": False, "error": str(e)}
+        except Exception as e:  # never leave the sender waiting without a reason
+            log.exception("NATS KV transfer %s failed", self.token)
+            self.rx.fail(self.token, f"receiver error: {e}")
+            reply = {"ok": False, "error": f"receiver error: {e}"}
+        if msg.reply:
+            try:
+                await msg.respond(json.dumps(reply).encode())
+            except Exception:
+                pass
+
+    async def _handle(self, data: bytes) -> dict:
+        for kind, layer, crc, offset, payload in _split(data, MAX_CHUNK):
+            if zlib.crc32(payload) != crc:
+                raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
+            if kind == HELLO:
+                header = TransferHeader.model_validate_json(bytes(payload))
+                if header.transfer_token != self.token:
+                    raise TransferError("transfer token does not match the subject")
+                _, self.asm = self.rx.begin(header, header.transport)
+                if header.transport not in ("nats", "objstore"):
+                    raise TransferError(f"transport {header.transport!r} on NATS")
+            elif self.asm is None:
+                raise TransferError(f"expected HELLO, got frame kind {kind}")
+            elif kind == OBJECT:
+                await self._fetch(json.loads(bytes(payload)))
+                return self._finish()
+            elif kind == END:
+                return self._finish()
+            else:
+                self.asm.target(kind, layer, offset, len(payload))[:] = payload
+                self.asm.commit(kind, layer, len(payload))
+        return {"ok": True}
+
+    def _finish(self) -> dict:
+        stats = self.rx.complete(self.exp, self.asm)
+        return {"ok": True, **stats}
+
+    async def _fetch(self, ref: dict) -> None:
+        store = await self.nc.jetstream().object_store(ref["bucket"])
+        try:
+            res = await asyncio.wait_for(store.get(ref["name"]), self.stall_timeout)
+        except Exception as e:
+            raise TransferError(f"cannot fetch KV object {ref['name']}: {type(e).__name__}: {e}") from None
+        finally:
+            try:
+                await store.delete(ref["name"])  # fetched or not, nobody else needs it
+            except Exception:
+                pass
+        for kind, layer, crc, offset, payload in _split(res.data, MAX_CHUNK):
+            if zlib.crc32(payload) != crc:
+                raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
+            if kind == END:
+                return
+            self.asm.target(kind, layer, offset, len(payload))[:] = payload
+            self.asm.commit(kind, layer, len(payload))
+        raise TransferError("stream truncated: object ends before END")
