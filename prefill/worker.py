@@ -47,6 +47,15 @@ class PrefillWorker(WorkerBase):
         self.m_queue = Gauge("pdserve_prefill_queue_depth", "prompts waiting for prefill", registry=r)
         self.m_prefill = Histogram("pdserve_prefill_compute_seconds", "prefill forward time", registry=r,
                                    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
+        # the same signals the LoadReport carries, for clusters that scrape Prometheus (prometheus-adapter)
+        Gauge("pdserve_prefill_queue_wait_seconds", "recent mean wait before prefill starts", registry=r
+              ).set_function(lambda: self.load_fields()["queue_wait_seconds"])
+        Gauge("pdserve_prefill_ttft_seconds", "recent mean time to first token at prefill", registry=r
+              ).set_function(lambda: self.load_fields()["ttft_seconds"])
+        Gauge("pdserve_transfer_backlog_handoffs", "KV handoffs waiting or in flight", registry=r
+              ).set_function(lambda: self.transfer_backlog)
+        Gauge("pdserve_transfer_backlog_bytes", "KV bytes waiting or in flight", registry=r
+              ).set_function(lambda: self.transfer_backlog_bytes)
         self.m_kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes sent to decode", registry=r)
         self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV handoff time (offer to ACK)", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
