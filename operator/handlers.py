@@ -15,6 +15,7 @@ PDSERVE_WEBHOOK_ADDR (serve the validating webhook over TLS when a certificate i
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
 import datetime
@@ -43,8 +44,15 @@ def _api_client() -> client.ApiClient:
     try:
         kconfig.load_incluster_config(client_configuration=cfg)
     except kconfig.ConfigException:
-        kconfig.load_kube_config(client_configuration=cfg)
+        # KUBECONFIG read now, not at import time of kubernetes.config (which caches the default).
+        kconfig.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None, client_configuration=cfg)
     return client.ApiClient(cfg)
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # kopf's own parsers read KUBECONFIG when called (the client library fixes it at import time).
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
 @kopf.on.startup()
@@ -73,6 +81,15 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Lo
             addr=os.environ.get("PDSERVE_WEBHOOK_ADDR", "0.0.0.0"),
             port=int(os.environ.get("PDSERVE_WEBHOOK_PORT", "9443")),
             certfile=cert, pkeyfile=key)
+    else:
+        # kopf refuses to start with admission handlers but no server; with the webhook disabled
+        # (chart webhook.enabled=false), serve nothing and rely on the reconciler's validation.
+        settings.admission.server = _no_admission_server
+
+
+async def _no_admission_server(fn: Any) -> Any:
+    await asyncio.Event().wait()
+    yield  # never reached: makes this an async generator, the shape kopf expects
 
 
 def _config(memo: kopf.Memo) -> OperatorConfig:

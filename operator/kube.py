@@ -36,11 +36,19 @@ class Kube:
         self.api = api_client
 
     def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
-        resp = self.api.call_api(
-            path, method, path_params={}, query_params=[],
-            header_params={"Accept": "application/json", "Content-Type": content_type},
-            body=body, auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
-        data = resp.data
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        if hasattr(self.api, "param_serialize"):  # kubernetes >= 34 (new generator)
+            m, url, h, b, _ = self.api.param_serialize(method=method, resource_path=path, header_params=headers,
+                                                       body=body, auth_settings=["BearerToken"])
+            resp = self.api.call_api(m, url, header_params=h, body=b)
+            data = resp.read()
+            if not 200 <= resp.status < 300:
+                raise client.ApiException(http_resp=resp)
+        else:  # older clients
+            resp = self.api.call_api(path, method, path_params={}, query_params=[], header_params=headers,
+                                     body=body, auth_settings=["BearerToken"], _preload_content=False,
+                                     _return_http_data_only=True)
+            data = resp.data
         return json.loads(data) if data else None
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:

@@ -357,7 +357,9 @@ def _condition(old: list[dict], type_: str, status: bool, reason: str, message: 
     s = "True" if status else "False"
     prev = next((c for c in old if c.get("type") == type_), None)
     since = prev["lastTransitionTime"] if prev and prev.get("status") == s and prev.get("lastTransitionTime") else now
-    c = {"type": type_, "status": s, "reason": reason, "message": message, "lastTransitionTime": since}
+    c = {"type": type_, "status": s, "reason": reason, "lastTransitionTime": since}
+    if message:  # an empty string would be sent as null by some clients; absent is clearer
+        c["message"] = message
     if generation is not None:
         c["observedGeneration"] = generation
     return c

@@ -61,10 +61,16 @@ def k8s_cluster():
     cluster.start()
     old = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = cluster.kubeconfig
+    # kubernetes.config fixed its default path at import time; point it here too, so that
+    # `load_kube_config()` without arguments (kopf's client-library login, other tests) finds it.
+    import kubernetes.config.kube_config as kc
+    old_default = kc.KUBE_CONFIG_DEFAULT_LOCATION
+    kc.KUBE_CONFIG_DEFAULT_LOCATION = cluster.kubeconfig
     try:
         yield cluster
     finally:
         cluster.stop()
+        kc.KUBE_CONFIG_DEFAULT_LOCATION = old_default
         if old is None:
             os.environ.pop("KUBECONFIG", None)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import datetime
 import ipaddress
+import json
 import os
 import subprocess
 import time
@@ -55,7 +56,7 @@ def kube(k8s_api_client):
 
     def established():
         c = k.request("GET", f"{ext}/{crd['metadata']['name']}")
-        return any(x["type"] == "Established" and x["status"] == "True" for x in c["status"].get("conditions", []))
+        return any(x["type"] == "Established" and x["status"] == "True" for x in (c.get("status") or {}).get("conditions") or [])
     wait_for(established, "CRD Established")
     return k
 
@@ -120,6 +121,8 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
         kube.create(isvc(name, ns, decode={"gpus": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}}))
         deps = {p: wait_for(lambda p=p: kube.get("apps/v1", "Deployment", ns, f"{name}-{p}"), f"{p} Deployment")
                 for p in ("prefill", "decode", "front")}
+        # The PDBs are applied last: once they exist, every child does.
+        wait_for(lambda: kube.get("policy/v1beta1", "PodDisruptionBudget", ns, f"{name}-decode"), "decode PDB")
         owner = get_isvc(kube, ns, name)
         uid = owner["metadata"]["uid"]
         children = [*deps.values(),
@@ -183,7 +186,8 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
     with run_operator() as runner:
         wait_for(lambda: kube.get("apps/v1", "Deployment", ns, f"{name}-front")["spec"]["replicas"] == 3,
                  "front replicas 3 after restart")
-        assert kube.get("policy/v1beta1", "PodDisruptionBudget", ns, f"{name}-decode") is not None
+        wait_for(lambda: kube.get("policy/v1beta1", "PodDisruptionBudget", ns, f"{name}-decode"),
+                 "PDB deleted while the operator was down is back")
 
         kube.request("DELETE", f"/apis/{API}/namespaces/{ns}/inferenceservices/{name}")
 
@@ -216,7 +220,7 @@ def test_schema_refuses_invalid_objects(kube, k8s_namespace, spec, message):
     with pytest.raises(client.ApiException) as err:
         kube.create(body)
     assert err.value.status == 422
-    assert message in err.value.body
+    assert message in json.loads(err.value.body)["message"]
 
 
 def test_unknown_fields_refused_by_kubectl_and_pruned_by_server(kube, k8s_namespace, k8s_tool, k8s_cluster):
@@ -304,11 +308,12 @@ def test_webhook_refuses_cross_field_mistakes_and_reconciler_reports_bypass(
                 with pytest.raises(client.ApiException) as err:
                     kube.create(isvc("bad", ns, **spec))
                 assert err.value.status == 422, err.value.body
-                assert "denied the request" in err.value.body and message in err.value.body
+                text = json.loads(err.value.body)["message"]
+                assert "denied the request" in text and message in text, text
             # An UPDATE that breaks a rule is refused too, and the stored object is unchanged.
             with pytest.raises(client.ApiException) as err:
                 kube.merge_patch(API, "InferenceService", ns, "good", {"spec": {"prefill": {"kv": {"blockSize": 32}}}})
-            assert "same KV block size" in err.value.body
+            assert "same KV block size" in json.loads(err.value.body)["message"]
             assert get_isvc(kube, ns, "good")["spec"]["prefill"]["kv"]["blockSize"] == 16
 
             # Where the webhook does not reach, the reconciler refuses to build pools and says why.
