@@ -72,8 +72,8 @@ class PagedRunner:
     def num_tokens(self, seq_id) -> int:
         return self.pool.num_tokens(seq_id)
 
-    def start(self, seq_id, token_ids: list[int]) -> int:
-        """Open a sequence for `token_ids`, reusing the longest cached prefix of whole blocks.
+    def start(self, seq_id, token_ids: list[int], *, reuse_prefix: bool = True) -> int:
+        """Open a sequence for `token_ids`, reusing the longest cached prefix of whole blocks (unless not `reuse_prefix`).
 
         Returns how many leading tokens are already in the cache (a multiple of block_size,
         always < len(token_ids) so the last token is computed and gives logits); feed the rest
@@ -84,7 +84,7 @@ class PagedRunner:
         if seq_id in self._tokens:
             raise KeyError(f"sequence {seq_id!r} already exists")
         self._check_context(seq_id, len(token_ids))
-        blocks, cached = self.pool.match_prefix(token_ids)
+        blocks, cached = self.pool.match_prefix(token_ids) if reuse_prefix else ([], 0)
         if cached == len(token_ids):  # recompute the last block: its last token's logits are needed
             blocks, cached = blocks[:-1], cached - self.layout.block_size
         self.pool.allocate(seq_id, cached, prefix_blocks=blocks)
@@ -92,13 +92,13 @@ class PagedRunner:
         return cached
 
     @torch.inference_mode()
-    def prefill(self, seq_id, token_ids: list[int], chunk_size: int | None = None) -> Tensor:
+    def prefill(self, seq_id, token_ids: list[int], chunk_size: int | None = None, *, reuse_prefix: bool = True) -> Tensor:
         """Prompt → logits of its last position `[vocab]` (float32); the KV stays in the pool under `seq_id`.
 
         Reuses a cached prefix (`start`) and computes the rest in chunks of `chunk_size` tokens
         (all at once if None). On OutOfBlocks the sequence is freed and the error re-raised.
         """
-        cached = self.start(seq_id, token_ids)
+        cached = self.start(seq_id, token_ids, reuse_prefix=reuse_prefix)
         rest = token_ids[cached:]
         chunk = chunk_size or len(rest)
         try:

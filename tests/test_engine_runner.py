@@ -1,0 +1,229 @@
+"""PagedRunner on the real model: equal to Hugging Face's forward and generate, batched, speculative, chunked, cached, handed off."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.blocks import OutOfBlocks
+from pdserve.engine.runner import PagedRunner
+from pdserve.runtime import ModelRunner
+
+pytestmark = pytest.mark.model
+
+LONG_PROMPT = (Path(__file__).parent / "data" / "long_prompt.txt").read_text()
+NEW_TOKENS = 10
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir) -> ModelRunner:
+    """Today's Hugging Face runtime: the oracle, and the other side of a handoff."""
+    return ModelRunner(model_dir)
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir) -> PagedRunner:
+    return PagedRunner(model_dir, num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def prompts(hf) -> list[list[int]]:
+    """Four prompts of different lengths (a chat turn, plain text, a long document over many blocks, one token)."""
+    return [
+        hf.encode_chat([{"role": "user", "content": "What is the capital of France?"}]),
+        hf.encode("The three primary colours are"),
+        hf.encode(LONG_PROMPT)[:300] + hf.encode("\n\nIn one sentence, the text is about"),
+        hf.encode("Hello"),
+    ]
+
+
+def greedy_alone(runner: PagedRunner, seq_id, prompt: list[int], n: int) -> list[int]:
+    logits = runner.prefill(seq_id, prompt)
+    out = [int(logits.argmax())]
+    for _ in range(n - 1):
+        (logits,) = runner.step([(seq_id, [out[-1]])])
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(runner, prompts) -> list[list[int]]:
+    """Each prompt's greedy continuation, one sequence at a time (sequences freed afterwards)."""
+    outs = []
+    for i, p in enumerate(prompts):
+        outs.append(greedy_alone(runner, ("alone", i), p, NEW_TOKENS))
+        runner.free(("alone", i))
+    return outs
+
+
+def hf_logits(hf: ModelRunner, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf.model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def assert_pool_empty(runner: PagedRunner) -> None:
+    assert runner.pool.utilization() == 0.0
+
+
+def test_layout_matches_the_hf_runtime(runner, hf):
+    assert runner.layout == hf.layout
+
+
+def test_prefill_logits_equal_hf_forward(runner, hf, prompts):
+    ids = prompts[2]
+    expected = hf_logits(hf, ids)
+    last = runner.prefill("p", ids, reuse_prefix=False)
+    assert torch.allclose(last, expected[-1], atol=ATOL), (last - expected[-1]).abs().max()
+    runner.free("p")
+    # every position, through one step over the whole prompt
+    assert runner.start("q", ids, reuse_prefix=False) == 0
+    (all_logits,) = runner.step([("q", ids)])
+    assert all_logits.shape == expected.shape
+    assert torch.allclose(all_logits, expected, atol=ATOL), (all_logits - expected).abs().max()
+    runner.free("q")
+    assert_pool_empty(runner)
+
+
+def test_greedy_decode_equals_hf_generate(hf, prompts, alone):
+    # No stop token: generate must run on past an end-of-turn exactly as our loop does (min_new_tokens
+    # would instead mask the stop token and change the argmax).
+    config = copy.deepcopy(hf.model.generation_config)
+    config.update(eos_token_id=[], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    for prompt, ours in zip(prompts[:3], alone[:3]):
+        with torch.inference_mode():
+            out = hf.model.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), generation_config=config
+            )
+        assert out[0, len(prompt):].tolist() == ours
+
+
+def test_ragged_batch_equals_each_alone(runner, prompts, alone):
+    ids = [("batch", i) for i in range(len(prompts))]
+    outs = [[int(runner.prefill(sid, p).argmax())] for sid, p in zip(ids, prompts)]
+    for _ in range(NEW_TOKENS - 1):
+        logits = runner.step([(sid, [o[-1]]) for sid, o in zip(ids, outs)])
+        assert [tuple(l.shape) for l in logits] == [(1, runner.vocab_size)] * len(ids)
+        for o, l in zip(outs, logits):
+            o.append(int(l[-1].argmax()))
+    assert outs == alone
+    for sid in ids:
+        runner.free(sid)
+    assert_pool_empty(runner)
+
+
+def test_speculative_step_then_rollback_continues_identically(runner, prompts, alone):
+    prompt, expected = prompts[0], alone[0]
+    n_prompt = len(prompt)
+    first = int(runner.prefill("spec", prompt).argmax())
+    assert first == expected[0]
+    # verify k=4 drafts: two right, then two wrong, in one forward (k+1 rows of logits)
+    drafts = expected[1:3] + [0, 0]
+    (logits,) = runner.step([("spec", [first] + drafts)])
+    assert logits.shape[0] == 5
+    assert [int(x) for x in logits[:3].argmax(-1)] == expected[1:4]
+    # accepted: first + 2 drafts; the correction token is expected[3]; drop the 2 rejected
+    runner.rollback("spec", n_prompt + 3)
+    assert runner.num_tokens("spec") == n_prompt + 3
+    out = expected[:4]
+    for _ in range(NEW_TOKENS - 4):
+        (l,) = runner.step([("spec", [out[-1]])])
+        out.append(int(l[-1].argmax()))
+    assert out == expected
+    runner.free("spec")
+    assert_pool_empty(runner)
+
+
+def test_chunked_prefill_equals_one_shot(runner, prompts):
+    ids = prompts[2]
+    assert len(ids) > 3 * 64
+    one = runner.prefill("one", ids, reuse_prefix=False)
+    chunked = runner.prefill("chunked", ids, chunk_size=64, reuse_prefix=False)
+    assert torch.allclose(one, chunked, atol=ATOL), (one - chunked).abs().max()
+    a, b = runner.export_kv("one"), runner.export_kv("chunked")
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a.layers, b.layers))
+    runner.free("one")
+    runner.free("chunked")
+    assert_pool_empty(runner)
+
+
+def test_prefix_cache_hit_computes_only_the_rest(runner, hf, prompts, monkeypatch):
+    prefix = hf.encode(LONG_PROMPT)[:200]
+    first = prefix + hf.encode(" Question: who built the press?")
+    second = prefix + hf.encode(" Question: what did scribes copy?")
+    runner.prefill("first", first)
+    runner.free("first")  # its full blocks stay cached
+
+    computed = []
+    forward = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward", lambda ids, *a, **k: computed.append(len(ids)) or forward(ids, *a, **k))
+    assert runner.start("second", second) == 192  # 12 whole blocks of 16 of the 200 shared tokens
+    (logits,) = runner.step([("second", second[192:])], last_only=True)
+    assert computed == [len(second) - 192]
+    monkeypatch.undo()
+
+    expected = hf_logits(hf, second)[-1]
+    assert torch.allclose(logits[-1], expected, atol=ATOL), (logits[-1] - expected).abs().max()
+    fresh = runner.prefill("fresh", second, reuse_prefix=False)
+    assert torch.allclose(logits[-1], fresh, atol=ATOL)
+    # a prompt that is entirely cached still computes its last block (its logits are needed)
+    runner.free("fresh")
+    whole = second[:192]
+    assert runner.start("whole", whole) == 176
+    runner.free("whole")
+    runner.free("second")
+    assert_pool_empty(runner)
+
+
+def test_kv_blocks_equal_between_paged_and_hf_runtimes(runner, hf, prompts, alone):
+    prompt = prompts[1]
+    logits, cache = hf.prefill(prompt)
+    theirs = hf.cache_to_blocks(cache)
+    runner.prefill("ours", prompt)
+    ours = runner.export_kv("ours")
+    assert ours.layout == theirs.layout and ours.num_tokens == theirs.num_tokens == len(prompt)
+    for a, b in zip(ours.layers, theirs.layers):
+        assert a.shape == b.shape
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    # and the paged runner's KV continues in the HF runtime
+    cache = hf.blocks_to_cache(ours)
+    nxt = hf.forward([alone[1][0]], cache)[-1]
+    assert int(nxt.argmax()) == alone[1][1]
+    runner.free("ours")
+    assert_pool_empty(runner)
+
+
+def test_export_import_into_a_fresh_runner_continues_identically(runner, model_dir, hf, prompts, alone):
+    prompt, expected = prompts[2], alone[2]
+    first = int(runner.prefill("src", prompt).argmax())
+    kv = runner.export_kv("src")
+    runner.free("src")
+
+    fresh = PagedRunner(model_dir, num_blocks=40)
+    fresh.import_kv("dst", kv, token_ids=prompt)
+    out = [first]
+    for _ in range(NEW_TOKENS - 1):
+        (l,) = fresh.step([("dst", [out[-1]])])
+        out.append(int(l[-1].argmax()))
+    assert out == expected
+    # the imported prompt's full blocks serve the prefix cache
+    assert fresh.pool.match_prefix(prompt)[1] == len(prompt) // 16 * 16
+
+    # a KV made by the HF runtime lands too
+    _, cache = hf.prefill(prompts[1])
+    fresh.import_kv("from-hf", hf.cache_to_blocks(cache))
+    (l,) = fresh.step([("from-hf", [alone[1][0]])])
+    assert int(l[-1].argmax()) == alone[1][1]
+
+    # a step that does not fit raises OutOfBlocks and leaves every sequence as it was
+    before = {sid: fresh.num_tokens(sid) for sid in ("dst", "from-hf")}
+    free = fresh.pool.num_free
+    with pytest.raises(OutOfBlocks):
+        fresh.step([("dst", [1]), ("from-hf", [1] * (16 * (free + 1)))])
+    assert {sid: fresh.num_tokens(sid) for sid in before} == before
+    assert fresh.pool.num_free == free
+    fresh.free("dst")
+    fresh.free("from-hf")
+    assert fresh.pool.utilization() == 0.0
