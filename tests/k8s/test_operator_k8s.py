@@ -332,3 +332,20 @@ def test_webhook_refuses_cross_field_mistakes_and_reconciler_reports_bypass(
     finally:
         kube.request("DELETE", f"{vwc_path}/pdserve-test-{ns}")
         kube.request("DELETE", f"/api/v1/namespaces/{bypass_ns}")
+
+
+def test_prefill_hpa_bounds_follow_decode_within_ratio(kube, operator_env, k8s_namespace):
+    """prefill:decode in [0.5, 1.0]: as decode grows from 2 to 6 replicas, the operator moves the
+    prefill HPA's bounds from [1, 2] to [3, 6] (decode pinned here, so no metrics are needed)."""
+    ns, name = k8s_namespace, "ratio"
+    hpa_of = lambda: kube.get("autoscaling/v2beta2", "HorizontalPodAutoscaler", ns, f"{name}-prefill")  # noqa: E731
+    with run_operator() as runner:
+        kube.create(isvc(name, ns, prefill={"autoscaling": {"minReplicas": 1, "maxReplicas": 10}},
+                         decode={"replicas": 2, "autoscaling": {"enabled": False}},
+                         autoscaling={"prefillDecodeRatio": {"min": 0.5, "max": 1.0}}))
+        wait_for(lambda: (h := hpa_of()) and (h["spec"]["minReplicas"], h["spec"]["maxReplicas"]) == (1, 2),
+                 "prefill HPA [1, 2] for decode=2")
+        kube.merge_patch(API, "InferenceService", ns, name, {"spec": {"decode": {"replicas": 6}}})
+        wait_for(lambda: (h := hpa_of()) and (h["spec"]["minReplicas"], h["spec"]["maxReplicas"]) == (3, 6),
+                 "prefill HPA [3, 6] for decode=6")
+    assert runner.exception is None
