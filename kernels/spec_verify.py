@@ -28,12 +28,29 @@ Contract (B requests, K = max drafted tokens, V = vocabulary):
                      lets the kernel find it by bisection over the vocabulary, without a sort.
 ``uniform_accept``   [B, K] float32 in [0, 1): draft j is accepted iff ``u[b, j] * q(x) < p(x)``,
                      i.e. u < min(1, p/q) (q(x) = 1 for deterministic drafts).
-``exp_noise``        [B, V] float32, i.i.d. Exp(1), strictly positive: the ONE sample per request is
-                     drawn by the exponential race ``argmax(dist / exp_noise[b])``, where dist is the
-                     residual max(0, p_j - q_j) at the first rejection j (p_j if the residual is all
-                     zero) or the bonus distribution p_k when every draft was accepted. The race needs
-                     no normalisation, and it makes the reference and the kernel share randomness, so
-                     they return IDENTICAL tokens.
+``exp_noise``        [B, V] or [B, K+1, V] float32, i.i.d. Exp(1), strictly positive. Sampling is the
+                     exponential race ``argmax(dist / E)``: it needs no normalisation, and it makes the
+                     reference and the kernel share randomness, so they return IDENTICAL tokens.
+                     [B, V] (one noise row per request): the ONE sample per request is drawn with
+                     E = exp_noise[b], dist being the residual max(0, p_j - q_j) at the first rejection j
+                     (p_j if the residual is all zero) or the bonus distribution p_k when every draft was
+                     accepted.
+                     [B, K+1, V] (per-position noise, row j for draft position j, row K_b for the bonus):
+                     * ``draft_probs is None`` and temperature > 0: the COUPLED rule. Position j's token is
+                       the race winner w_j = argmax(p_j / exp_noise[b, j]); draft j is accepted iff it
+                       equals w_j, and the first w_j that differs (or w_{K_b}) is the emitted token;
+                       uniform_accept is ignored. P(accept x) = p_j(x) = min(1, p/q) for a one-hot q, and
+                       on rejection w_j is distributed as p_j without x (the residual), so the output is
+                       exactly the target distribution; and when row j holds the noise plain sampling
+                       would draw at that position (:func:`pdserve.sampling.position_noise`), the output is
+                       token for token what plain sampling emits, whatever k was chosen.
+                     * ``draft_probs`` given: standard rejection (u * q < p) as above, the one sample drawn
+                       with E = exp_noise[b, j] at the row j where the request stops (first rejection, or
+                       K_b for the bonus).
+                     * greedy rows ignore it, as always.
+                     draft_probs is per call, so one call verifies either point-mass drafts (coupled for
+                     sampled rows) or draft-model drafts; a mixed batch is two calls.
+                     uniform_accept must be independent of the noise rows it is used with.
 
 Sampled rows use p = process_logits(target row): temperature -> top-k -> top-p -> softmax.
 
@@ -133,8 +150,11 @@ def _check_inputs(target_logits, draft_token_ids, num_draft_tokens, draft_probs,
         "top_k": (top_k, (b,)),
         "top_p": (top_p, (b,)),
         "uniform_accept": (uniform_accept, (b, k)),
-        "exp_noise": (exp_noise, (b, vocab)),
     }
+    if exp_noise.dim() == 3:
+        expect["exp_noise"] = (exp_noise, (b, k1, vocab))  # per-position noise (the coupled mode)
+    else:
+        expect["exp_noise"] = (exp_noise, (b, vocab))
     if draft_probs is not None:
         expect["draft_probs"] = (draft_probs, (b, k, vocab))
     for name, (t, shape) in expect.items():
@@ -173,7 +193,14 @@ def verify_reference(target_logits, draft_token_ids, num_draft_tokens, draft_pro
         q_x = torch.ones_like(p_x)
     else:
         q_x = draft_probs.float().gather(2, safe_drafts[..., None])[..., 0]
-    accept = torch.where(greedy[:, None], drafts == raw_argmax[:, :k], uniform_accept.float() * q_x < p_x) & in_range
+    accept = torch.where(greedy[:, None], drafts == raw_argmax[:, :k], uniform_accept.float() * q_x < p_x)
+    per_position = exp_noise.dim() == 3
+    coupled = ~greedy if (per_position and draft_probs is None) else torch.zeros_like(greedy)
+    if bool(coupled.any()):
+        # the coupled rule: position j's token is the race winner argmax(p_j / E_j); a draft is accepted iff it wins
+        winners = (probs / exp_noise.float()).argmax(dim=-1)  # [B, K+1]
+        accept = torch.where(coupled[:, None], drafts == winners[:, :k], accept)
+    accept = accept & in_range
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B], in [0, n]
 
     # the one sampled token: residual at the first rejection, or the bonus row when all were accepted
@@ -191,7 +218,10 @@ def verify_reference(target_logits, draft_token_ids, num_draft_tokens, draft_pro
     residual = (p_last - q_last).clamp_min(0.0)
     use_residual = rejected & (residual.sum(dim=-1) > 0)
     dist = torch.where(use_residual[:, None], residual, p_last)
-    sampled_token = (dist / exp_noise.float()).argmax(dim=-1)
+    noise_last = exp_noise.float()[rows, last] if per_position else exp_noise.float()  # [B, V]
+    sampled_token = (dist / noise_last).argmax(dim=-1)
+    if bool(coupled.any()):
+        sampled_token = torch.where(coupled, winners[rows, last], sampled_token)
     token = torch.where(greedy, raw_argmax[rows, last], sampled_token)
 
     out = torch.full((b, k + 1), -1, dtype=torch.int64, device=device)
@@ -350,7 +380,8 @@ def _spec_verify_kernel(
     logits_ptr, draft_ids_ptr, num_draft_ptr, draft_probs_ptr, temp_ptr, top_k_ptr, top_p_ptr,
     uniform_ptr, noise_ptr, out_ptr, num_accepted_ptr,
     K, V,
-    HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_DRAFT_PROBS: tl.constexpr, PER_POSITION_NOISE: tl.constexpr, COUPLED: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(num_draft_ptr + b).to(tl.int32)
@@ -359,7 +390,6 @@ def _spec_verify_kernel(
     top_p = tl.load(top_p_ptr + b)
     greedy = temp <= 0.0
     safe_temp = tl.where(greedy, 1.0, temp)
-    noise_row = noise_ptr + b * V
     out_row = out_ptr + b * (K + 1)
 
     j = n * 0
@@ -367,6 +397,10 @@ def _spec_verify_kernel(
     num_acc = n * 0
     while j < end:
         row_ptr = logits_ptr + (b * (K + 1) + j) * V
+        if PER_POSITION_NOISE:
+            noise_row = noise_ptr + (b * (K + 1) + j) * V
+        else:
+            noise_row = noise_ptr + b * V
         drafting = j < n
         draft = tl.load(draft_ids_ptr + b * K + j, mask=drafting, other=-1)
         tok = n * 0 - 1
@@ -375,18 +409,25 @@ def _spec_verify_kernel(
             accept = drafting & (draft == tok.to(tl.int64))
         else:
             mx, thresh, z = _row_distribution(row_ptr, safe_temp, top_k, top_p, V, BLOCK_V)
-            safe_draft = tl.where(drafting, draft, 0)
-            x_draft = tl.math.div_rn(tl.load(row_ptr + safe_draft), safe_temp)
-            p_x = tl.where(x_draft >= thresh, tl.math.div_rn(tl.exp(tl.where(x_draft >= thresh, x_draft, mx) - mx), z), 0.0)
-            if HAS_DRAFT_PROBS:
-                q_x = tl.load(draft_probs_ptr + (b * K + j) * V + safe_draft, mask=drafting, other=1.0)
+            if COUPLED:
+                # position j's token is the race winner of p_j (use_q false: no residual); the draft
+                # survives iff it is that winner
+                tok = _race(row_ptr, safe_temp, mx, thresh, z, noise_row, draft_probs_ptr, draft, j < 0, V,
+                            HAS_DRAFT_PROBS, BLOCK_V)
+                accept = drafting & (draft == tok.to(tl.int64))
             else:
-                q_x = 1.0
-            u = tl.load(uniform_ptr + b * K + j, mask=drafting, other=1.0)
-            accept = drafting & (u * q_x < p_x)
-            if not accept:
-                tok = _race(row_ptr, safe_temp, mx, thresh, z, noise_row, draft_probs_ptr + (b * K + j) * V,
-                            draft, drafting, V, HAS_DRAFT_PROBS, BLOCK_V)
+                safe_draft = tl.where(drafting, draft, 0)
+                x_draft = tl.math.div_rn(tl.load(row_ptr + safe_draft), safe_temp)
+                p_x = tl.where(x_draft >= thresh, tl.math.div_rn(tl.exp(tl.where(x_draft >= thresh, x_draft, mx) - mx), z), 0.0)
+                if HAS_DRAFT_PROBS:
+                    q_x = tl.load(draft_probs_ptr + (b * K + j) * V + safe_draft, mask=drafting, other=1.0)
+                else:
+                    q_x = 1.0
+                u = tl.load(uniform_ptr + b * K + j, mask=drafting, other=1.0)
+                accept = drafting & (u * q_x < p_x)
+                if not accept:
+                    tok = _race(row_ptr, safe_temp, mx, thresh, z, noise_row, draft_probs_ptr + (b * K + j) * V,
+                                draft, drafting, V, HAS_DRAFT_PROBS, BLOCK_V)
         if accept:
             tl.store(out_row + j, draft)
             num_acc += 1
@@ -416,6 +457,7 @@ def verify_triton(target_logits, draft_token_ids, num_draft_tokens, draft_probs,
         # the interpreter pays per block operation, a GPU per register: big blocks there, moderate here
         block_v = min(triton.next_power_of_2(vocab), 8192 if _interpreting() else 2048)
     has_q = draft_probs is not None
+    per_position = exp_noise.dim() == 3
     f32 = lambda t: t.to(device=device, dtype=torch.float32).contiguous()  # noqa: E731
     _spec_verify_kernel[(b,)](
         f32(target_logits),
@@ -429,7 +471,7 @@ def verify_triton(target_logits, draft_token_ids, num_draft_tokens, draft_probs,
         f32(exp_noise),
         out, num_accepted,
         k, vocab,
-        HAS_DRAFT_PROBS=has_q, BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(k + 1),
+        HAS_DRAFT_PROBS=has_q, PER_POSITION_NOISE=per_position, COUPLED=per_position and not has_q, BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(k + 1),
         num_warps=8 if block_v >= 2048 else 4,
         enable_fp_fusion=False,  # op-by-op rounding, as the torch reference
     )

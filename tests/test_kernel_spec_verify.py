@@ -276,3 +276,120 @@ def test_masked_vocabulary_minus_inf_logits(filters):
     ref = assert_same(tuple(case))
     out = ref[0]
     assert bool(((out < 60) | (out == -1)).all())
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-position noise [B, K+1, V]: the coupled mode for point-mass drafts of sampled requests
+# --------------------------------------------------------------------------------------------------
+
+
+def with_position_noise(case, seed: int):
+    """The same case with per-position Exp(1) noise [B, K+1, V] instead of one row per request."""
+    target = case[0]
+    batch, k1, vocab = target.shape
+    _, noise = draw_randomness(batch * k1, 0, vocab, generator=torch.Generator().manual_seed(seed))
+    return (*case[:8], noise.view(batch, k1, vocab))
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["coupled", "draft-probs"])
+@pytest.mark.parametrize("filters", [(False, False), (True, True)], ids=["plain", "top-k+top-p"])
+@pytest.mark.parametrize("batch,k,vocab", [(1, 0, 7), (6, 5, 7), (5, 5, 100), (6, 1, 100), (4, 5, 1000)])
+def test_triton_matches_reference_per_position_noise(batch, k, vocab, filters, with_q):
+    seed = hash((batch, k, vocab, filters, with_q, "per-position")) % 10_000
+    case = with_position_noise(make_case(seed, batch, k, vocab, with_q=with_q, top_k_on=filters[0], top_p_on=filters[1]), seed + 1)
+    assert_same(case)
+
+
+def test_triton_matches_reference_per_position_noise_small_blocks():
+    case = with_position_noise(make_case(8, 4, 4, 300, with_q=False, top_k_on=True, top_p_on=True, temps=(1.0, 0.0, 0.6)), 9)
+    ref = verify_reference(*case)
+    tri = verify_triton(*case, block_v=64)
+    assert torch.equal(tri[0], ref[0]) and torch.equal(tri[1], ref[1])
+
+
+def coupled_batch(seed: int, batch: int, k: int, vocab: int):
+    """Sampled and greedy requests with their own (seed, start position); per-position noise from pdserve.sampling.
+
+    Drafts are the plain-sampling token at the position most of the time (so runs of acceptances happen),
+    a random token otherwise; num_draft is ragged.
+    """
+    from pdserve.sampling import SamplingParams, position_noise, sample_next
+
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(batch, k + 1, vocab, generator=g) * 2.0
+    num_draft = torch.randint(0, k + 1, (batch,), generator=g, dtype=torch.int32)
+    num_draft[0] = k
+    settings = [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.0, 0, 1.0), (0.9, 8, 0.8)]
+    params = [SamplingParams(temperature=t, top_k=tk, top_p=tp) for t, tk, tp in (settings[(seed + b) % len(settings)] for b in range(batch))]
+    seeds = [int(torch.randint(0, 2**31, (1,), generator=g)) for _ in range(batch)]
+    starts = [int(torch.randint(0, 50, (1,), generator=g)) for _ in range(batch)]
+    plain = [[sample_next(target[b, j], params[b], starts[b] + j, seeds[b]) for j in range(k + 1)] for b in range(batch)]
+    agree = torch.rand(batch, k, generator=g) < 0.7
+    drafts = torch.where(agree, torch.tensor([row[:k] for row in plain], dtype=torch.int64).view(batch, k),
+                         torch.randint(0, vocab, (batch, k), generator=g))
+    num_draft[1] = max(1, int(num_draft[1]))
+    drafts[1, 0] = (plain[1][0] + 1) % vocab  # one certain rejection at position 0
+    noise = torch.stack([torch.stack([position_noise(seeds[b], starts[b] + j, vocab) for j in range(k + 1)]) for b in range(batch)])
+    case = (target, drafts, num_draft, None, torch.tensor([p.temperature for p in params]),
+            torch.tensor([p.top_k for p in params], dtype=torch.int32), torch.tensor([p.top_p for p in params]),
+            torch.rand(batch, k, generator=g), noise)
+    # what plain sampling emits while each draft token matches: the accepted drafts, then the first differing token
+    expected = []
+    for b in range(batch):
+        row = []
+        for j in range(int(num_draft[b]) + 1):
+            row.append(plain[b][j])
+            if j == int(num_draft[b]) or plain[b][j] != int(drafts[b, j]):
+                break
+        expected.append(row)
+    return case, expected
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("seed,batch,k,vocab", [(0, 5, 4, 50), (1, 6, 3, 300), (2, 4, 6, 20)])
+def test_coupled_rows_reproduce_plain_sampling(impl, seed, batch, k, vocab):
+    case, expected = coupled_batch(seed, batch, k, vocab)
+    out, num_acc = verify(*case, impl=impl)
+    check_output_shape(case, out, num_acc)
+    got = [out[b, : int(num_acc[b]) + 1].tolist() for b in range(batch)]
+    assert got == expected
+    assert any(len(row) > 1 for row in expected) and any(len(row) <= int(case[2][b]) for b, row in enumerate(expected))
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_coupled_rows_ignore_uniform_accept(impl):
+    case, expected = coupled_batch(3, 5, 4, 40)
+    for u in (0.0, 0.999999):
+        case = (*case[:7], torch.full_like(case[7], u), case[8])
+        out, num_acc = verify(*case, impl=impl)
+        assert [out[b, : int(num_acc[b]) + 1].tolist() for b in range(5)] == expected
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_draft_probs_rows_sample_from_the_noise_of_their_stop_position(impl):
+    # a draft model whose q puts nothing on the target's support past position 0: every row is rejected at
+    # position 1 (or takes the bonus at 1 when k = 1) and its token is the race over row 1's noise only
+    vocab, k = 12, 3
+    g = torch.Generator().manual_seed(4)
+    target = torch.randn(3, k + 1, vocab, generator=g)
+    target[:, 1:, 6:] = float("-inf")  # p_j for j >= 1 lives on tokens 0..5
+    drafts = torch.full((3, k), 9, dtype=torch.int64)
+    drafts[:, 0] = target[:, 0].argmax(-1)
+    q = torch.zeros(3, k, vocab)
+    q[torch.arange(3)[:, None], torch.arange(k)[None, :], drafts] = 1.0
+    num_draft = torch.tensor([3, 1, 2], dtype=torch.int32)
+    noise = draw_randomness(3 * (k + 1), 0, vocab, generator=g)[1].view(3, k + 1, vocab)
+    case = (target, drafts, num_draft, q, torch.ones(3), torch.zeros(3, dtype=torch.int32), torch.ones(3),
+            torch.zeros(3, k), noise)  # u = 0: the first draft is always accepted (p > 0)
+    out, num_acc = verify(*case, impl=impl)
+    assert num_acc.tolist() == [1, 1, 1]
+    p1 = process_logits(target[:, 1], torch.ones(3), torch.zeros(3, dtype=torch.int32), torch.ones(3))
+    # residual max(0, p - q) = p here (q sits on token 9, outside p's support)
+    assert out[:, 1].tolist() == (p1 / noise[:, 1]).argmax(-1).tolist()
+
+
+def test_per_position_noise_shape_is_checked():
+    case = make_case(0, 2, 2, 10, with_q=False, top_k_on=False, top_p_on=False)
+    bad = (*case[:8], torch.ones(2, 2, 10))  # K rows, not K+1
+    with pytest.raises(ValueError, match="exp_noise"):
+        verify(*bad, impl="reference")

@@ -41,8 +41,12 @@ def fixed_rows(seed: int, k: int, vocab: int = VOCAB) -> torch.Tensor:
 
 
 def speculative_batch(seed: int, temperature: float, top_k: int, top_p: float, model_like: bool, k: int = 2,
-                      samples: int = SAMPLES):
-    """SAMPLES identical requests: same target rows, drafts drawn afresh per request."""
+                      samples: int = SAMPLES, per_position: bool = False):
+    """SAMPLES identical requests: same target rows, drafts drawn afresh per request.
+
+    per_position: exp_noise is [samples, k+1, V], one noise row per position (the coupled mode for
+    deterministic drafts; the stop position's row for draft-model drafts).
+    """
     target_rows = fixed_rows(seed, k)
     g = torch.Generator().manual_seed(seed + 50_000)  # not the target's stream: q must differ from p
     target = target_rows.expand(samples, k + 1, VOCAB)
@@ -60,6 +64,8 @@ def speculative_batch(seed: int, temperature: float, top_k: int, top_p: float, m
         lookup = torch.softmax(torch.randn(k, VOCAB, generator=g), -1)
         drafts = torch.stack([torch.multinomial(lookup[j], samples, replacement=True, generator=g) for j in range(k)], 1)
     u, noise = draw_randomness(samples, k, VOCAB, generator=g)
+    if per_position:
+        noise = draw_randomness(samples * (k + 1), 0, VOCAB, generator=g)[1].view(samples, k + 1, VOCAB)
     num_draft = torch.full((samples,), k, dtype=torch.int32)
     case = (target, drafts, num_draft, draft_probs, t, tk, tp, u, noise)
     p = process_logits(target_rows, torch.full((k + 1,), temperature), torch.full((k + 1,), top_k, dtype=torch.int32),
@@ -77,11 +83,13 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("per_position", [False, True], ids=["one-noise-row", "per-position-noise"])
 @pytest.mark.parametrize("model_like", [False, True], ids=["deterministic-draft", "model-draft"])
 @pytest.mark.parametrize("temperature,top_k,top_p", CONFIGS)
-def test_first_and_second_token_follow_target(temperature, top_k, top_p, model_like):
+def test_first_and_second_token_follow_target(temperature, top_k, top_p, model_like, per_position):
+    # deterministic drafts with per-position noise are the coupled mode
     seed = 1000 + CONFIGS.index((temperature, top_k, top_p)) * 2 + model_like
-    case, p = speculative_batch(seed, temperature, top_k, top_p, model_like)
+    case, p = speculative_batch(seed, temperature, top_k, top_p, model_like, per_position=per_position)
     out, num_acc = verify_reference(*case)
     # the first emitted token is distributed as p_0 whatever happened to the drafts
     _, pv = chi_square_pvalue(torch.bincount(out[:, 0], minlength=VOCAB), p[0])
@@ -119,6 +127,52 @@ def ratio_without_q(target, drafts, num_draft, draft_probs, temperature, top_k, 
     q0 = draft_probs[:, 0] if draft_probs is not None else torch.nn.functional.one_hot(x, vocab).float()
     residual = (p0 - q0).clamp_min(0)
     return torch.where(accept, x, (residual / noise).argmax(-1))
+
+
+def coupled_fresh_race_on_rejection(target, drafts, num_draft, draft_probs, temperature, top_k, top_p, uniform, noise):
+    """WRONG coupled verifier: accepts iff the draft wins the race, but on rejection draws again from p with
+    the next row's noise (a fresh sample that may be the rejected token: P(x) = p(x) + (1 - p(x)) p(x))."""
+    p0 = process_logits(target[:, 0], temperature, top_k, top_p)
+    x = drafts[:, 0]
+    winner = (p0 / noise[:, 0]).argmax(-1)
+    return torch.where(winner == x, x, (p0 / noise[:, 1]).argmax(-1))
+
+
+def coupled_shared_noise(target, drafts, num_draft, draft_probs, temperature, top_k, top_p, uniform, noise):
+    """WRONG coupled verifier: one noise row for every position. The first token is exact; the second, given
+    the first draft won, is biased (the shared noise that made x_0 win leans towards x_0 again)."""
+    b, k1, vocab = target.shape
+    p = process_logits(target.reshape(-1, vocab), temperature.repeat_interleave(k1), top_k.repeat_interleave(k1),
+                       top_p.repeat_interleave(k1)).view(b, k1, vocab)
+    winners = (p / noise[:, :1]).argmax(-1)  # [b, k1], row 0's noise everywhere
+    out = torch.full((b, k1), -1, dtype=torch.int64)
+    out[:, 0] = winners[:, 0]
+    accepted = winners[:, 0] == drafts[:, 0]
+    out[accepted, 1] = winners[accepted, 1]
+    return out, accepted.to(torch.int32)
+
+
+@pytest.mark.parametrize("wrong", [coupled_fresh_race_on_rejection, coupled_shared_noise], ids=lambda f: f.__name__)
+def test_wrong_coupled_verifiers_fail_the_same_test(wrong):
+    # the same draft lookup and target as the passing coupled case, with the per-position noise it gets
+    case, p = speculative_batch(2077, 1.0, 0, 1.0, model_like=False, per_position=True)
+    result = wrong(*case)
+    if isinstance(result, tuple):
+        # the second token given an accepted first draft (the first token of this one is right)
+        out, num_acc = result
+        cont = num_acc >= 1
+        assert int(cont.sum()) > 5_000
+        _, pv0 = chi_square_pvalue(torch.bincount(out[:, 0], minlength=VOCAB), p[0])
+        assert pv0 > ALPHA  # it fails where it should, not somewhere else
+        stat, pv = chi_square_pvalue(torch.bincount(out[cont, 1], minlength=VOCAB), p[1])
+    else:
+        stat, pv = chi_square_pvalue(torch.bincount(result, minlength=VOCAB), p[0])
+    assert pv < ALPHA, f"{wrong.__name__} passed the exactness test (statistic {stat:.1f}, p-value {pv:.2e})"
+    # and the right coupled verifier passes on the very same inputs
+    out, num_acc = verify_reference(*case)
+    assert chi_square_pvalue(torch.bincount(out[:, 0], minlength=VOCAB), p[0])[1] > ALPHA
+    cont = num_acc >= 1
+    assert chi_square_pvalue(torch.bincount(out[cont, 1], minlength=VOCAB), p[1])[1] > ALPHA
 
 
 @pytest.mark.parametrize("wrong,model_like", [
