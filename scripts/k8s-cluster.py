@@ -51,7 +51,7 @@ def free_port() -> int:
 class LocalCluster:
     """One control plane in a temp dir. `start()` blocks until /readyz answers; `stop()` kills all.
 
-    Attributes after start: `server` (https URL), `token` (admin bearer token), `kubeconfig` (path),
+    Attributes after start: `server` (https URL), `token` (admin bearer token), `kubeconfig` (path), `ca_file` (CA bundle of the server),
     `workdir` (temp dir with logs: etcd.log, apiserver.log, controller-manager.log).
     `controller_args` are appended to kube-controller-manager's command line (e.g. a shorter
     `--horizontal-pod-autoscaler-sync-period`).
@@ -63,6 +63,7 @@ class LocalCluster:
     server: str = ""
     token: str = ""
     kubeconfig: str = ""
+    ca_file: str = ""
     _procs: list[subprocess.Popen] = field(default_factory=list)
     _own_workdir: bool = False
 
@@ -107,11 +108,13 @@ class LocalCluster:
             "--allow-privileged=true",
             *self.apiserver_args,
         ])
+        # kube-apiserver writes its self-signed serving cert (with its CA) here at start.
+        self.ca_file = str(w / "certs" / "apiserver.crt")
         self.kubeconfig = str(w / "kubeconfig")
         Path(self.kubeconfig).write_text(
             "apiVersion: v1\nkind: Config\n"
             f"clusters:\n- name: pdserve-test\n  cluster:\n    server: {self.server}\n"
-            "    insecure-skip-tls-verify: true\n"
+            f"    certificate-authority: {self.ca_file}\n"
             f"users:\n- name: admin\n  user:\n    token: {self.token}\n"
             "contexts:\n- name: pdserve-test\n  context:\n    cluster: pdserve-test\n    user: admin\n"
             "    namespace: default\n"

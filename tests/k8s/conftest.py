@@ -5,9 +5,10 @@ kube-controller-manager on loopback; no kubelet, no scheduler). Binaries come fr
 Fixtures (all session-scoped unless noted):
 
 - `k8s_cluster` -> `LocalCluster`: the running control plane. Attributes: `server` (https URL),
-  `token` (admin bearer token, group system:masters), `kubeconfig` (path), `workdir` (temp dir
+  `token` (admin bearer token, group system:masters), `kubeconfig` (path), `ca_file` (server CA), `workdir` (temp dir
   with etcd/apiserver/controller-manager logs). `KUBECONFIG` is exported to it for the whole
-  session (kopf's `KopfRunner`, kubectl and helm pick it up). Tests are SKIPPED with the reason
+  session (kopf's `KopfRunner`, kubectl and helm pick it up; `kubernetes.config`'s default path
+  too, so `load_kube_config()` without arguments works). Tests are SKIPPED with the reason
   when the binaries are absent. The controller manager runs every default controller
   (garbage collector, deployment/replicaset, HPA with `--horizontal-pod-autoscaler-sync-period=5s`).
   Set `PDSERVE_K8S_KEEP=1` to keep the temp dir (logs) after the session.

@@ -78,7 +78,8 @@ def test_helm_install_upgrade_and_operator_under_chart_rbac(k8s_cluster, k8s_api
         sa_kubeconfig = tmp_path / "sa-kubeconfig"
         sa_kubeconfig.write_text(
             "apiVersion: v1\nkind: Config\n"
-            f"clusters:\n- name: c\n  cluster:\n    server: {k8s_cluster.server}\n    insecure-skip-tls-verify: true\n"
+            f"clusters:\n- name: c\n  cluster:\n    server: {k8s_cluster.server}\n"
+            f"    certificate-authority: {k8s_cluster.ca_file}\n"
             f"users:\n- name: sa\n  user:\n    token: {token}\n"
             "contexts:\n- name: c\n  context:\n    cluster: c\n    user: sa\ncurrent-context: c\n")
         app_ns = "pdserve-helm-app"

@@ -16,7 +16,7 @@ def test_admin_can_write_and_anonymous_is_refused(k8s_cluster, k8s_api_client, k
 
     anon_cfg = client.Configuration()
     anon_cfg.host = k8s_cluster.server
-    anon_cfg.verify_ssl = False
+    anon_cfg.ssl_ca_cert = k8s_cluster.ca_file
     with client.ApiClient(anon_cfg) as anon:
         with pytest.raises(client.ApiException) as err:
             client.CoreV1Api(anon).list_namespaced_config_map(k8s_namespace)
