@@ -20,23 +20,45 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from pdserve.kernels import kv_quant, spec_verify  # noqa: E402
+from pdserve.kernels import kv_quant, paged_attention, spec_verify  # noqa: E402
 
 VERIFY_SIG = {
     "logits_ptr": "*fp32", "draft_ids_ptr": "*i64", "num_draft_ptr": "*i32", "draft_probs_ptr": "*fp32",
     "temp_ptr": "*fp32", "top_k_ptr": "*i32", "top_p_ptr": "*fp32", "uniform_ptr": "*fp32", "noise_ptr": "*fp32",
     "out_ptr": "*i64", "num_accepted_ptr": "*i32", "K": "i32", "V": "i32",
-    "HAS_DRAFT_PROBS": "constexpr", "BLOCK_V": "constexpr", "BLOCK_K": "constexpr",
+    "HAS_DRAFT_PROBS": "constexpr", "PER_POSITION_NOISE": "constexpr", "COUPLED": "constexpr",
+    "BLOCK_V": "constexpr", "BLOCK_K": "constexpr",
 }
 _STRIDES = {"s_block": "i32", "s_kv": "i32", "s_head": "i32", "s_tok": "i32", "s_dim": "i32",
             "HEADS": "i32", "HEAD_DIM": "i32", "GROUP": "i32"}
 WIRE = {"int8": "*i8", "fp8": "*fp8e4nv"}
 
 
+def paged_attention_sig(dt: str) -> dict:
+    return {
+        "q_ptr": f"*{dt}", "kv_ptr": f"*{dt}", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "query_start_ptr": "*i32", "out_ptr": f"*{dt}", "scale": "fp32", "S": "i32",
+        **{name: "i32" for name in ("s_qt", "s_qh", "s_ot", "s_oh", "s_block", "s_kv", "s_head", "s_tok", "s_bt")},
+        **{name: "constexpr" for name in ("HEAD_DIM", "HEAD_DIM_PAD", "GROUP", "GROUP_PAD", "BLOCK_Q", "BLOCK_N",
+                                          "BLOCK_SIZE", "FP32_DOTS")},
+    }
+
+
 def variants():
     for has_q in (False, True):
-        yield (f"spec_verify has_q={has_q}", spec_verify._spec_verify_kernel, VERIFY_SIG,
-               {"HAS_DRAFT_PROBS": has_q, "BLOCK_V": 2048, "BLOCK_K": 16}, 8)
+        for per_position in (False, True):
+            yield (f"spec_verify has_q={has_q} per_position_noise={per_position}", spec_verify._spec_verify_kernel,
+                   VERIFY_SIG, {"HAS_DRAFT_PROBS": has_q, "PER_POSITION_NOISE": per_position,
+                                "COUPLED": per_position and not has_q, "BLOCK_V": 2048, "BLOCK_K": 16}, 8)
+    # one variant per dtype and shape family we launch (the float32 one, FMA dots, is the slowest to build)
+    for dt, head_dim, group, block_size in (("fp32", 64, 1, 16), ("bf16", 128, 4, 16), ("fp16", 128, 8, 32),
+                                            ("bf16", 80, 6, 16)):
+        group_pad = 1 << (group - 1).bit_length()
+        yield (f"paged_attention {dt} head_dim={head_dim} group={group} block_size={block_size}",
+               paged_attention._paged_attention_kernel, paged_attention_sig(dt),
+               {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": 1 << (head_dim - 1).bit_length(), "GROUP": group,
+                "GROUP_PAD": group_pad, "BLOCK_Q": max(1, 64 // group_pad), "BLOCK_N": 64,
+                "BLOCK_SIZE": block_size, "FP32_DOTS": dt == "fp32"}, 4)
     for fmt in ("int8", "fp8"):
         for dt in ("fp32", "bf16", "fp16"):
             pack_sig = {"kv_ptr": f"*{dt}", "block_ids_ptr": "*i64", "payload_ptr": WIRE[fmt], "scales_ptr": "*fp32",

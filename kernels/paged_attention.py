@@ -20,9 +20,11 @@ Contract (S sequences, T query tokens in all):
 Causal: a query at absolute position i attends to cache positions 0..i. GQA: q_heads is a multiple
 of kv_heads and q head h reads kv head h // (q_heads // kv_heads) (Hugging Face's ``repeat_kv``).
 
-Returns ``out [T, q_heads, head_dim]`` in q's dtype. Scores, softmax and the weighted sum are computed
-in float32 in both implementations (the kernel with an online softmax), so they agree to float32
-rounding.
+Returns ``out [T, q_heads, head_dim]`` in q's dtype (the kernel needs q and kv_pool to share it).
+Scores, softmax and the weighted sum accumulate in float32 in both implementations (the kernel with an
+online softmax over KV tiles); with a float32 pool the kernel's dots are IEEE float32 (never TF32),
+so the two agree to float32 rounding. With bf16/fp16 pools the kernel multiplies on tensor cores in
+that dtype (probabilities rounded to it before P @ V, as flash attention does).
 
 ``write_kv(kv_pool, slot_mapping [T] int64, k, v)`` stores this step's keys/values [T, kv_heads,
 head_dim] at slot = block * block_size + offset (negative slots are padding and skipped), in place.
@@ -132,9 +134,140 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def paged_attention_triton(q, kv_pool, block_tables, seq_lens, query_start, scale):
-    """The Triton kernel; same contract as :func:`paged_attention`."""
-    raise NotImplementedError("the paged attention Triton kernel is not written yet; use impl='reference'")
+# --------------------------------------------------------------------------------------------------
+# Triton kernel: one program per (query tile of one sequence, kv head), online softmax over KV tiles
+# --------------------------------------------------------------------------------------------------
+#
+# A program's rows are (query, q head of the kv head's GQA group) pairs: BLOCK_Q queries x GROUP_PAD
+# heads, so a decode step with GQA still fills a tensor-core tile and K/V are read once per group.
+# The grid is (cdiv(T, BLOCK_Q) + S, kv_heads): sequence s owns tiles query_start[s] // BLOCK_Q + s
+# onwards (at most that many fit), so a program finds its sequence by bisection over query_start
+# without a host-side sync; programs past their sequence's last tile have no keys to visit.
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    scale, S,
+    s_qt, s_qh, s_ot, s_oh, s_block, s_kv, s_head, s_tok, s_bt,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP32_DOTS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+
+    # the sequence owning tile pid: the last s with query_start[s] // BLOCK_Q + s <= pid
+    lo = pid * 0
+    hi = lo + S - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    seq = lo
+    q0 = tl.load(query_start_ptr + seq)
+    n = tl.load(query_start_ptr + seq + 1) - q0
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tile = pid - (q0 // BLOCK_Q + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_local = tile * BLOCK_Q + rows // GROUP_PAD  # query index within the sequence
+    g = rows % GROUP_PAD
+    row_ok = (q_local < n) & (g < GROUP)
+    q_pos = seq_len - n + q_local  # absolute position: the queries are the sequence's last tokens
+    head = kvh * GROUP + g
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    q_tok = (q0 + q_local).to(tl.int64)
+    q = tl.load(q_ptr + q_tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP32_DOTS:
+        q = q.to(tl.float32)
+
+    # keys 0 .. (last query of the tile) inclusive; none when the tile is past the sequence's queries
+    kv_end = tl.where(tile * BLOCK_Q < n, seq_len - n + tl.minimum((tile + 1) * BLOCK_Q, n), 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * s_bt
+    head_off = kvh.to(tl.int64) * s_head
+    for start in range(0, kv_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        phys = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        tok_off = phys * s_block + head_off + (pos % BLOCK_SIZE).to(tl.int64) * s_tok
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(kv_ptr + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_ptr + s_kv + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOTS:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # not TF32: the reference's float32
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale
+        attend = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(attend, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to attend yet: no NaN
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP32_DOTS:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _tile_sizes(group: int) -> tuple[int, int, int]:
+    """(GROUP_PAD, BLOCK_Q, BLOCK_N): rows = BLOCK_Q * GROUP_PAD >= 16 for tensor cores (64 on a GPU)."""
+    group_pad = triton.next_power_of_2(group)
+    rows = 16 if _interpreting() else 64
+    block_q = max(1, rows // group_pad)
+    block_n = 16 if _interpreting() else 64
+    return group_pad, block_q, block_n
+
+
+def paged_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           query_start: torch.Tensor, scale: float) -> torch.Tensor:
+    """The Triton kernel (one launch over the ragged batch); same contract as :func:`paged_attention`.
+
+    Checks shapes only: the ragged structure is read on the device, never synced to the host.
+    """
+    t, q_heads, head_dim, kv_heads, block_size, s = _check_inputs(q, kv_pool, block_tables, seq_lens, query_start)
+    if q.dtype != kv_pool.dtype:
+        raise ValueError(f"q dtype {q.dtype} != kv_pool dtype {kv_pool.dtype}")
+    out = torch.empty_like(q)
+    if t == 0 or s == 0:
+        return out
+    device = q.device
+    group = q_heads // kv_heads
+    group_pad, block_q, block_n = _tile_sizes(group)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    kv_pool = kv_pool if kv_pool.stride(-1) == 1 else kv_pool.contiguous()
+    block_tables = block_tables.to(device=device, dtype=torch.int32).contiguous()
+    grid = (triton.cdiv(t, block_q) + s, kv_heads)
+    _paged_attention_kernel[grid](
+        q, kv_pool, block_tables,
+        seq_lens.to(device=device, dtype=torch.int32).contiguous(),
+        query_start.to(device=device, dtype=torch.int32).contiguous(),
+        out, float(scale), s,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), block_tables.stride(0),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), GROUP=group, GROUP_PAD=group_pad,
+        BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        # float32 pools: IEEE float32 dots; bf16/fp16: tensor-core dots with float32 accumulation, except
+        # bf16 under the interpreter, whose bf16 tl.dot returns garbage (triton 3.9)
+        FP32_DOTS=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
+        num_warps=4,
+    )
+    return out
 
 
 def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -145,7 +278,7 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.
     (Triton when q is on CUDA or TRITON_INTERPRET=1 is set, else the reference).
     """
     if impl == "auto":
-        impl = "reference"  # until the Triton kernel lands: then Triton on CUDA or under the interpreter
+        impl = "triton" if (q.is_cuda or _interpreting()) else "reference"
     if impl == "triton":
         return paged_attention_triton(q, kv_pool, block_tables, seq_lens, query_start, scale)
     if impl == "reference":

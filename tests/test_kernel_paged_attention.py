@@ -122,3 +122,49 @@ def test_rejects_bad_shapes_and_ragged_structure():
         paged_attention_reference(q, kv_pool, bt, short, qs, 1.0)
     with pytest.raises(ValueError, match="impl"):
         paged_attention(q, kv_pool, bt, lens, qs, 1.0, impl="cuda")
+
+
+# --------------------------------------------------------------------------------------------------
+# The Triton kernel (interpreter, small sizes) against the reference
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed,q_heads,kv_heads,head_dim,block_size", [
+    (0, 4, 4, 16, 4),    # MHA, many small blocks (a KV tile spans several blocks)
+    (1, 4, 2, 16, 4),    # GQA 2
+    (2, 6, 1, 16, 8),    # GQA 6: a group that is not a power of two (padded rows)
+    (3, 8, 2, 12, 32),   # head_dim not a power of two; blocks larger than a KV tile
+])
+def test_triton_matches_reference(seed, q_heads, kv_heads, head_dim, block_size):
+    q, kv_pool, bt, lens, qs, _ = make_batch(seed, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                                             block_size=block_size, num_seqs=4)
+    scale = head_dim ** -0.5
+    ref = paged_attention_reference(q, kv_pool, bt, lens, qs, scale)
+    tri = paged_attention_triton(q, kv_pool, bt, lens, qs, scale)
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_long_prefill_spans_query_tiles_and_empty_sequences():
+    # one sequence with more queries than a query tile, a sequence with no queries this step, two decodes
+    q, kv_pool, bt, lens, qs, _ = make_batch(5, kinds=("prefill", "decode"), num_seqs=3, q_heads=2, kv_heads=2)
+    g = torch.Generator().manual_seed(1)
+    lens = torch.tensor([40, 9, 17], dtype=torch.int32)
+    nqs = [37, 0, 1]
+    block_size = kv_pool.shape[3]
+    max_blocks = -(-40 // block_size)
+    num_blocks = 3 * max_blocks
+    kv_pool = torch.randn(num_blocks, 2, 2, block_size, 16, generator=g)
+    bt = torch.randperm(num_blocks, generator=g).view(3, max_blocks).to(torch.int32)
+    q = torch.randn(sum(nqs), 2, 16, generator=g)
+    qs = torch.tensor([0, 37, 37, 38], dtype=torch.int32)
+    ref = paged_attention_reference(q, kv_pool, bt, lens, qs, 0.25)
+    tri = paged_attention(q, kv_pool, bt, lens, qs, 0.25)  # auto: Triton under the interpreter
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_low_precision_pool():
+    q, kv_pool, bt, lens, qs, _ = make_batch(9, num_seqs=3, dtype=torch.bfloat16)
+    ref = paged_attention_reference(q, kv_pool, bt, lens, qs, 0.25)
+    tri = paged_attention_triton(q, kv_pool, bt, lens, qs, 0.25)
+    assert tri.dtype == torch.bfloat16
+    torch.testing.assert_close(tri.float(), ref.float(), rtol=2e-2, atol=2e-2)
