@@ -199,23 +199,33 @@ class NgramDrafter:
         self.prior_strength = prior_strength
         self.decay = decay
         self.probe_every = max(int(probe_every), 1)
-        self._suppressed: dict[int, int] = {n: 0 for n in range(min_n, max_n + 1)}
+        self._suppressed: dict[tuple[int, bool], int] = {
+            (n, hot): 0 for n in range(min_n, max_n + 1) for hot in (False, True)
+        }
         self._index: dict[str, _NgramIndex] = {}
         self.last_match_n: dict[str, int] = {}
-        self._pending: dict[str, tuple[int, int]] = {}  # request -> (matched n, proposed) awaiting feedback
-        # per match length: decayed [accepted, tested] draft tokens
-        self._match_stats: dict[int, list[float]] = {n: [0.0, 0.0] for n in range(min_n, max_n + 1)}
+        # request -> (matched n, proposed, hot) awaiting feedback
+        self._pending: dict[str, tuple[int, int, bool]] = {}
+        # requests whose last verified proposal was accepted whole: they are copying text
+        # (a quoted function, repeated JSON) and the next continuation is far likelier right
+        self._hot: set[str] = set()
+        # per (match length, hot): decayed [accepted, tested] draft tokens
+        self._match_stats: dict[tuple[int, bool], list[float]] = {
+            (n, hot): [0.0, 0.0] for n in range(min_n, max_n + 1) for hot in (False, True)
+        }
 
-    def prior_alpha(self, n: int) -> float:
-        """Acceptance expected of an ``n``-token match before any feedback (longer is surer)."""
+    def prior_alpha(self, n: int, hot: bool = False) -> float:
+        """Acceptance expected of an ``n``-token match before any feedback (longer is surer;
+        ``hot``: the request's previous proposal was accepted whole)."""
         # roughly what SmolLM2 showed on the spec_probe workloads: n=2 ~0.3, n>=6 ~0.9
-        return {1: 0.2, 2: 0.3, 3: 0.45, 4: 0.6, 5: 0.7}.get(n, 0.85)
+        base = {1: 0.2, 2: 0.3, 3: 0.45, 4: 0.6, 5: 0.7}.get(n, 0.85)
+        return min(base + 0.2, 0.9) if hot else base
 
-    def match_alpha(self, n: int) -> float:
+    def match_alpha(self, n: int, hot: bool = False) -> float:
         """Learned per-token acceptance of continuations after an ``n``-token match."""
-        acc, tested = self._match_stats[n]
+        acc, tested = self._match_stats[(n, hot)]
         m = self.prior_strength
-        return (acc + m * self.prior_alpha(n)) / (tested + m)
+        return (acc + m * self.prior_alpha(n, hot)) / (tested + m)
 
     def _sync(self, request_id: str, token_ids: Sequence[int]) -> _NgramIndex:
         idx = self._index.get(request_id)
@@ -241,8 +251,9 @@ class NgramDrafter:
         if k <= 0:
             return Draft([], None)
         proposal, n = idx.lookup(k)
+        hot = request_id in self._hot
         if proposal and self.min_reach > 0.0:
-            alpha = self.match_alpha(n)
+            alpha = self.match_alpha(n, hot)
             keep, reach = 0, 1.0
             while keep < len(proposal):
                 reach *= alpha
@@ -252,13 +263,13 @@ class NgramDrafter:
             if keep == 0:
                 # distrust must stay testable: every `probe_every`-th suppressed match of this
                 # length still proposes one token, so a length that became reliable recovers
-                self._suppressed[n] += 1
-                if self._suppressed[n] % self.probe_every == 0:
+                self._suppressed[(n, hot)] += 1
+                if self._suppressed[(n, hot)] % self.probe_every == 0:
                     keep = 1
             del proposal[keep:]
         self.last_match_n[request_id] = n if proposal else 0
         if proposal:
-            self._pending[request_id] = (n, len(proposal))
+            self._pending[request_id] = (n, len(proposal), hot)
         return Draft(proposal, None)
 
     async def propose(self, request_id, token_ids, k, sampling=None) -> Draft:
@@ -269,7 +280,7 @@ class NgramDrafter:
         learned α), or ``None`` when it proposed nothing — a hint for
         ``SpeculationController.choose_k(alpha_hint=...)``."""
         pending = self._pending.get(request_id)
-        return None if pending is None else self.match_alpha(pending[0])
+        return None if pending is None else self.match_alpha(pending[0], pending[2])
 
     def trim(self, request_id: str, keep: int) -> None:
         """The caller verifies only the first ``keep`` tokens of the last proposal."""
@@ -278,7 +289,7 @@ class NgramDrafter:
             if keep <= 0:
                 del self._pending[request_id]
             else:
-                self._pending[request_id] = (pending[0], min(pending[1], keep))
+                self._pending[request_id] = (pending[0], min(pending[1], keep), pending[2])
 
     def feedback(self, request_id, num_accepted, new_token_ids) -> None:
         # Committed tokens are indexed on the next propose (which sees the full sequence);
@@ -287,9 +298,13 @@ class NgramDrafter:
         pending = self._pending.pop(request_id, None)
         if pending is None:
             return
-        n, proposed = pending
+        n, proposed, hot = pending
         accepted = max(0, min(int(num_accepted), proposed))
-        stats = self._match_stats[n]
+        if accepted == proposed:
+            self._hot.add(request_id)
+        else:
+            self._hot.discard(request_id)
+        stats = self._match_stats[(n, hot)]
         stats[0] = stats[0] * self.decay + accepted
         stats[1] = stats[1] * self.decay + accepted + (1 if accepted < proposed else 0)
 
@@ -297,6 +312,7 @@ class NgramDrafter:
         self._index.pop(request_id, None)
         self.last_match_n.pop(request_id, None)
         self._pending.pop(request_id, None)
+        self._hot.discard(request_id)
 
 
 def brute_force_ngram_proposal(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

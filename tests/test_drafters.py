@@ -123,6 +123,17 @@ def test_ngram_confidence_and_trim_feed_the_right_match_length():
     d.trim("q", 0)  # not verified at all: no evidence either way
     d.feedback("q", 0, [1])
     assert d.match_alpha(4) == pytest.approx((2 + 2 * d.prior_alpha(4)) / (2 + 2))
+    # a request whose last proposal was accepted whole is copying: it is judged by the "hot" record
+    assert d.prior_alpha(4, hot=True) > d.prior_alpha(4)
+    _propose(d, "h", long, 2)
+    d.feedback("h", 2, [5, 6, 7])
+    seq = long + [5, 6, 7]
+    assert _propose(d, "h", seq, 3).token_ids == [8, 0, 1]
+    assert d.confidence("h") == pytest.approx(d.prior_alpha(4, hot=True))
+    d.feedback("h", 1, [8, 5])  # partly rejected: no longer hot, and the hot record learned 1 of 2
+    assert d.match_alpha(4, hot=True) == pytest.approx((1 + 2 * d.prior_alpha(4, hot=True)) / (2 + 2))
+    _propose(d, "h", seq + [8, 5], 3)
+    assert d.confidence("h") is None or d.confidence("h") == pytest.approx(d.match_alpha(d.last_match_n["h"]))
 
 
 def test_drafters_share_one_protocol():
