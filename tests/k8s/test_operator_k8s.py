@@ -114,7 +114,7 @@ def mark_pods_ready(kube, ns: str, component: str) -> int:
     return len(pods)
 
 
-def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s_namespace):
+def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s_namespace, k8s_tool, k8s_cluster):
     ns, name = k8s_namespace, "llama"
 
     with run_operator() as runner:
@@ -158,6 +158,12 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
         assert st["prefill"]["replicas"] == "1/1" and st["decode"]["replicas"] == "1/1"
         assert st["endpoint"] == f"http://{name}.{ns}.svc.cluster.local:8000"
         assert st["observedGeneration"] == get_isvc(kube, ns, name)["metadata"]["generation"]
+        # What an admin sees: the printer columns.
+        out = subprocess.run([k8s_tool("kubectl"), "--kubeconfig", k8s_cluster.kubeconfig, "-n", ns, "get", "pdis"],
+                             capture_output=True, text=True, check=True).stdout
+        header, row = out.splitlines()[:2]
+        assert header.split() == ["NAME", "MODEL", "PREFILL", "DECODE", "READY", "AGE"]
+        assert row.split()[:5] == [name, "tiny-llama", "1/1", "1/1", "True"]
 
         # A child deleted by hand comes back.
         old_uid = kube.get("apps/v1", "Deployment", ns, f"{name}-prefill")["metadata"]["uid"]
