@@ -108,6 +108,7 @@ def _env(body: dict, spec: dict, config: OperatorConfig, pool: str) -> list[dict
             {"name": "PDSERVE_KV_DTYPE", "value": kv["dtype"]},
             {"name": "PDSERVE_KV_BLOCK_SIZE", "value": str(kv["blockSize"])},
             {"name": "PDSERVE_KV_TRANSPORT", "value": t["transport"]},
+            {"name": "PDSERVE_KV_COMPRESSION", "value": t["compression"]},
             {"name": "PDSERVE_KV_TIMEOUT_SECONDS", "value": str(t["timeoutSeconds"])},
             {"name": "PDSERVE_KV_FAILURE_POLICY", "value": t["failurePolicy"]},
         ]

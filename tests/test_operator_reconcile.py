@@ -81,6 +81,10 @@ def test_worker_command_lines_env_and_gpus():
     assert "nvidia.com/gpu" not in f["resources"].get("limits", {})
     env = {e["name"]: e for e in d["env"]}
     assert env["PDSERVE_POOL"]["value"] == "decode" and env["PDSERVE_ISVC"]["value"] == "llama"
+    penv = {e["name"]: e.get("value") for e in p["env"]}
+    # Both ends of a KV transfer must agree on its layout and encoding.
+    assert (penv["PDSERVE_KV_DTYPE"], penv["PDSERVE_KV_BLOCK_SIZE"], penv["PDSERVE_KV_COMPRESSION"]) == ("bfloat16", "16", "none")
+    assert penv["PDSERVE_KV_FAILURE_POLICY"] == "recompute" and penv["PDSERVE_POOL"] == "prefill"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["PDSERVE_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "llama-nats", "key": "password"}
     # Secrets never appear in arguments or plain env values.
@@ -229,3 +233,30 @@ def test_crd_schema_is_structural_and_defaults_match():
         if isinstance(s.get("additionalProperties"), dict):
             walk(s["additionalProperties"], f"{path}{{}}")
     walk(schema)
+
+
+def test_default_config_targets_current_apis():
+    cfg = OperatorConfig()
+    kinds = {c["kind"]: c["apiVersion"] for c in desired_children(isvc(), cfg)}
+    assert kinds["HorizontalPodAutoscaler"] == "autoscaling/v2" and kinds["PodDisruptionBudget"] == "policy/v1"
+    img = container(desired_children(isvc(), cfg), "llama-decode")["image"]
+    assert img == "ghcr.io/pdserve/pdserve:0.1.0"
+    assert container(desired_children(isvc({"image": "my/img:1"}), cfg), "llama-decode")["image"] == "my/img:1"
+
+
+def test_operator_main_maps_flags_to_env_and_runs_kopf(monkeypatch):
+    import kopf
+
+    from pdserve.cli import main as cli_main
+
+    calls = {}
+    monkeypatch.setattr(kopf, "run", lambda **kw: calls.update(kw))
+    for k in ("PDSERVE_IMAGE", "PDSERVE_NATS_URL", "PDSERVE_WEBHOOK_PORT"):
+        monkeypatch.setenv(k, "")  # recorded, so the values main() sets are undone after the test
+        monkeypatch.delenv(k)
+    assert cli_main(["operator", "--namespace", "ml", "--image", "x/y:1", "--nats-url", "nats://n:4222",
+                     "--webhook-port", "9555"]) == 0
+    import os
+    assert os.environ["PDSERVE_IMAGE"] == "x/y:1" and os.environ["PDSERVE_NATS_URL"] == "nats://n:4222"
+    assert os.environ["PDSERVE_WEBHOOK_PORT"] == "9555"
+    assert calls["namespaces"] == ["ml"] and calls["clusterwide"] is False and calls["standalone"] is True
