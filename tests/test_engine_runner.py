@@ -136,6 +136,22 @@ def test_speculative_step_then_rollback_continues_identically(runner, prompts, a
     assert_pool_empty(runner)
 
 
+def test_fork_shares_the_prompt_and_copies_on_write(runner, hf, prompts, alone):
+    prompt = prompts[1]  # 5 tokens: the shared last block is partial
+    first = int(runner.prefill("parent", prompt).argmax())
+    runner.fork("parent", "child")
+    used = runner.pool.utilization()
+    other = 1234
+    parent, child = runner.step([("parent", [first]), ("child", [other])])
+    assert runner.pool.utilization() > used  # the child's write copied the shared block
+    assert int(parent[-1].argmax()) == alone[1][1]
+    expected = hf_logits(hf, prompt + [other])[-1]
+    assert torch.allclose(child[-1], expected, atol=ATOL), (child[-1] - expected).abs().max()
+    runner.free("parent")
+    runner.free("child")
+    assert_pool_empty(runner)
+
+
 def test_chunked_prefill_equals_one_shot(runner, prompts):
     ids = prompts[2]
     assert len(ids) > 3 * 64
@@ -224,6 +240,14 @@ def test_export_import_into_a_fresh_runner_continues_identically(runner, model_d
         fresh.step([("dst", [1]), ("from-hf", [1] * (16 * (free + 1)))])
     assert {sid: fresh.num_tokens(sid) for sid in before} == before
     assert fresh.pool.num_free == free
+    # a forward that fails leaves them as they were too
+    def broken(*a, **k):
+        raise RuntimeError("device lost")
+    fresh.model.forward = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        fresh.step([("dst", [1]), ("from-hf", [1, 2])])
+    assert {sid: fresh.num_tokens(sid) for sid in before} == before
+    del fresh.model.forward
     fresh.free("dst")
     fresh.free("from-hf")
     assert fresh.pool.utilization() == 0.0

@@ -115,8 +115,8 @@ class PagedRunner:
 
         Returns, per sequence in order, logits `[n_i, vocab]` float32 for its n_i new tokens
         (`[1, vocab]` for the last one only if `last_only`): row j predicts the token after
-        new_token_ids[j]. If the pool cannot hold the new tokens, raises OutOfBlocks and leaves
-        every sequence as it was.
+        new_token_ids[j]. If the pool cannot hold the new tokens (OutOfBlocks) or the forward
+        fails, the error is raised and every sequence is left as it was.
         """
         if not batch:
             return []
@@ -163,7 +163,14 @@ class PagedRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start=query_start.to(dev),
         )
-        logits = self.model(input_ids.to(dev), positions.to(dev), self.pool.kv, meta, logits_index.to(dev))
+        try:
+            logits = self.model(input_ids.to(dev), positions.to(dev), self.pool.kv, meta, logits_index.to(dev))
+        except BaseException:
+            # The forward did not complete: the sequences must not claim tokens whose K/V may be
+            # half written. (Slots written past the old length are garbage nobody reads.)
+            for sid, start in zip(seq_ids, starts):
+                self.pool.truncate(sid, start)
+            raise
 
         for sid, new in batch:
             toks = self._tokens[sid]
@@ -173,6 +180,14 @@ class PagedRunner:
         if last_only:
             return list(logits.split(1))
         return list(logits.split(lens))
+
+    def fork(self, parent, child) -> None:
+        """Start `child` as a copy of `parent` sharing its KV blocks (copy-on-write), e.g. for n > 1 samples."""
+        if child in self._tokens:
+            raise KeyError(f"sequence {child!r} already exists")
+        self.pool.fork(parent, child)
+        toks = self._tokens[parent]
+        self._tokens[child] = list(toks) if toks is not None else None
 
     def rollback(self, seq_id, num_tokens: int) -> None:
         """Cut a sequence back to its first `num_tokens` tokens (drop rejected speculative tokens); frees whole blocks past the end."""
