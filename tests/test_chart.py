@@ -101,6 +101,17 @@ def test_default_render_is_secure_and_complete():
     tls = next(d for d in docs if d["kind"] == "Secret" and d["type"] == "kubernetes.io/tls")
     assert vwc["webhooks"][0]["clientConfig"]["caBundle"] == tls["data"]["ca.crt"]
     assert vwc["webhooks"][0]["clientConfig"]["service"]["path"] == "/validate-inferenceservice"
+    # ... for the name the API server dials (<service>.<namespace>.svc).
+    import base64
+
+    from cryptography import x509
+
+    ca = x509.load_pem_x509_certificate(base64.b64decode(tls["data"]["ca.crt"]))
+    cert = x509.load_pem_x509_certificate(base64.b64decode(tls["data"]["tls.crt"]))
+    cert.verify_directly_issued_by(ca)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    svc = vwc["webhooks"][0]["clientConfig"]["service"]
+    assert f"{svc['name']}.{svc['namespace']}.svc" in sans
 
 
 def test_non_default_render_uses_external_nats_and_no_webhook():
