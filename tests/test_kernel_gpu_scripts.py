@@ -25,10 +25,16 @@ def test_gpu_bench_smoke(tmp_path):
     assert result["ok"] and result["info"]["smoke"]
     assert all(r["requests_differing"] == 0 for r in result["verify_checks"])
     assert all(r["payload_bytes_differing"] == 0 and r["values_differing"] == 0 for r in result["kv_checks"])
-    assert {r["mode"] for r in result["verify_bench"]} >= {"greedy", "sampled+top-p"}
+    assert {r["per_position_noise"] for r in result["verify_checks"]} == {False, True}
+    assert result["attention_checks"] and all(r["ok"] for r in result["attention_checks"])
+    assert {r["dtype"] for r in result["attention_checks"]} == {"torch.float32", "torch.bfloat16"}
+    assert {r["kind"] for r in result["attention_bench"]} == {"decode", "spec"}
+    assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in result["attention_bench"])
+    assert {r["mode"] for r in result["verify_bench"]} >= {"greedy", "sampled+top-p", "coupled"}
     assert all(r["fused_ms"] > 0 and r["reference_ms"] > 0 for r in result["verify_bench"])
     assert all(r["pack_triton_GBps"] > 0 for r in result["kv_bench"])
     assert "fused verify vs unfused torch reference" in proc.stdout
+    assert "paged attention kernel vs torch reference" in proc.stdout
 
 
 def test_kernels_compile_for_sm90():
