@@ -114,6 +114,22 @@ def test_ragged_batch_equals_each_alone(runner, prompts, alone):
     assert_pool_empty(runner)
 
 
+def test_prefill_chunks_interleave_with_decode_in_one_step(runner, prompts, alone):
+    # what a continuous-batching scheduler does: a long prompt's chunks ride along with decode steps
+    long_prompt, short = prompts[2], prompts[0]
+    out = [int(runner.prefill("dec", short).argmax())]
+    assert runner.start("pre", long_prompt, reuse_prefix=False) == 0
+    chunks = [long_prompt[i : i + 96] for i in range(0, len(long_prompt), 96)]
+    for chunk in chunks:
+        dec, pre = runner.step([("dec", [out[-1]]), ("pre", chunk)], last_only=True)
+        out.append(int(dec[-1].argmax()))
+    assert out == alone[0][: len(out)]
+    assert int(pre[-1].argmax()) == alone[2][0]
+    runner.free("dec")
+    runner.free("pre")
+    assert_pool_empty(runner)
+
+
 def test_speculative_step_then_rollback_continues_identically(runner, prompts, alone):
     prompt, expected = prompts[0], alone[0]
     n_prompt = len(prompt)
