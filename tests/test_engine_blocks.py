@@ -107,6 +107,7 @@ def test_out_of_blocks_is_clean_and_leaks_nothing():
     # copy-on-write needs a block too: a fork whose shared last block is partial cannot grow
     pool.truncate("a", 14)
     pool.fork("a", "c")
+    assert pool.blocks_needed("c", 1) == 1 and pool.blocks_needed("c", 2) == 1 and pool.blocks_needed("c", 3) == 2
     with pytest.raises(OutOfBlocks):
         pool.append_slots("c", 1)
     assert pool.block_table("c") == pool.block_table("a") and pool.num_tokens("c") == 14

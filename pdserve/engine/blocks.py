@@ -135,6 +135,14 @@ class BlockPool:
         s.hashes = [self._hash_of[b] for b in prefix_blocks]
         self._seqs[seq_id] = s
 
+    def blocks_needed(self, seq_id, n: int) -> int:
+        """Free blocks `append_slots(seq_id, n)` would take (new blocks, plus one if it must copy a shared last block)."""
+        s = self._seq(seq_id)
+        if n <= 0:
+            return 0
+        cow = s.num_tokens % self.block_size != 0 and self.refcount[s.table[-1]] > 1
+        return self.layout.num_blocks(s.num_tokens + n) - len(s.table) + int(cow)
+
     def append_slots(self, seq_id, n: int) -> torch.Tensor:
         """Grow a sequence by `n` tokens; returns their slot ids `[n]` int64 (where to write their K/V).
 
@@ -147,13 +155,10 @@ class BlockPool:
             raise ValueError(f"append_slots: n must be >= 0, got {n}")
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
-        partial = s.num_tokens % self.block_size != 0
-        cow = partial and self.refcount[s.table[-1]] > 1
-        needed = self.layout.num_blocks(s.num_tokens + n) - len(s.table) + int(cow)
-        self._check(f"append {n} token(s) to {seq_id!r}", needed)
-        if partial:
+        self._check(f"append {n} token(s) to {seq_id!r}", self.blocks_needed(seq_id, n))
+        if s.num_tokens % self.block_size:  # the next token goes into the partially filled last block
             last = s.table[-1]
-            if cow:
+            if self.refcount[last] > 1:
                 fresh = self._take()
                 self.kv[:, fresh].copy_(self.kv[:, last])
                 self._decref(last)
