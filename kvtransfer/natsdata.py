@@ -201,7 +201,12 @@ class NatsTransferServer:
             pass  # connection gone: the server dropped the interest with it
 
     async def _watch(self) -> None:
+        # Until the first frame, only the caller's `wait(token, timeout)` bounds the transfer (as for TCP,
+        # where no connection means no stall clock); from then on, silence longer than the bound fails it.
         while not self.exp.future.done():
+            if self.asm is None:
+                await asyncio.sleep(0.2)
+                continue
             idle = time.monotonic() - self.last
             if idle > self.stall_timeout:
                 self.rx.fail(self.token, f"peer stalled: nothing for {self.stall_timeout:.1f} s (NATS transfer)")

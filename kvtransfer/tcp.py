@@ -827,6 +827,8 @@ class KVReceiver:
                 self._read_into(sock, mv)
                 settle()
                 pending = (_CRC_POOL.submit(_crc, mv), crc, kind, layer, length)
+                if kind == CHUNK and offset + length == asm.wire_bytes:
+                    settle()  # a layer's last chunk: hand the layer over now (layer streaming)
         finally:
             # On failure nothing keeps the mapping; on success the layer tensors do (the file is gone).
             pass
