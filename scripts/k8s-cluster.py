@@ -41,6 +41,17 @@ def missing_binaries() -> list[str]:
     return [b for b in ("etcd", "kube-apiserver", "kube-controller-manager") if find_binary(b) is None]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the test process dies, even by SIGKILL, so a
+    killed pytest never leaves an API server running on a shared machine (Linux prctl)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,7 +149,8 @@ class LocalCluster:
         log = open(self.workdir / f"{name}.log", "wb")
         # Own process group so that stop() ends exactly these processes and nothing else.
         self._procs.append(subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True))
+                                            start_new_session=True, preexec_fn=_die_with_parent))
+        log.close()  # the child holds its own descriptor
 
     def _wait_ready(self, timeout: float) -> None:
         ctx = ssl.create_default_context()
