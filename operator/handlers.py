@@ -181,9 +181,9 @@ def reconcile(body: dict, memo: kopf.Memo, logger: logging.Logger) -> dict:
     return compute_status(body, _deployments(kube, ns, name), [], _now(), cfg)
 
 
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+@kopf.on.resume(GROUP, VERSION, PLURAL, backoff=10)
+@kopf.on.create(GROUP, VERSION, PLURAL, backoff=10)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec", backoff=10)
 def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     status = reconcile(_plain(body), memo, logger)
     patch.status.update(status)
