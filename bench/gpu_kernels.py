@@ -206,12 +206,14 @@ def check_attention(configs, max_len: int, seqs_per_kind: int) -> list[dict]:
                 seqs.append((length, min(length, most if kind != "prefill" else int(torch.randint(1, length + 1, (1,), generator=g)))))
         case = attention_inputs(seqs, q_heads, kv_heads, head_dim, block_size, dtype, seed=len(rows))
         ref = paged_attention.paged_attention_reference(*case)
-        tri = paged_attention.paged_attention_triton(*case)
-        err = float((ref.float() - tri.float()).abs().max())
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        rows.append({"check": "paged_attention", "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
-                     "block_size": block_size, "dtype": str(dtype), "sequences": len(seqs), "queries": int(case[0].shape[0]),
-                     "max_abs_error": err, "tolerance": tol, "ok": err <= tol and not bool(tri.isnan().any())})
+        for splits in (None, 4):  # None: as chosen for this batch; 4: split-KV forced
+            tri = paged_attention.paged_attention_triton(*case, num_splits=splits)
+            err = float((ref.float() - tri.float()).abs().max())
+            rows.append({"check": "paged_attention", "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                         "block_size": block_size, "dtype": str(dtype), "splits": splits or "auto", "sequences": len(seqs),
+                         "queries": int(case[0].shape[0]), "max_abs_error": err, "tolerance": tol,
+                         "ok": err <= tol and not bool(tri.isnan().any())})
     return rows
 
 
@@ -362,7 +364,7 @@ def main() -> int:
     print("== correctness: KV pack/unpack vs reference ==")
     print_table(kv_checks, ["shape", "dtype", "fmt", "payload_bytes_differing", "scales_differing", "values_differing", "nan"])
     print("== correctness: paged attention kernel vs reference ==")
-    print_table(attention_checks, ["q_heads", "kv_heads", "head_dim", "block_size", "dtype", "sequences", "queries",
+    print_table(attention_checks, ["q_heads", "kv_heads", "head_dim", "block_size", "dtype", "splits", "sequences", "queries",
                                    "max_abs_error", "tolerance", "ok"])
 
     if "verify" not in skip:

@@ -142,19 +142,23 @@ def _interpreting() -> bool:
 # heads, so a decode step with GQA still fills a tensor-core tile and K/V are read once per group.
 # The grid is (cdiv(T, BLOCK_Q) + S, kv_heads): sequence s owns tiles query_start[s] // BLOCK_Q + s
 # onwards (at most that many fit), so a program finds its sequence by bisection over query_start
-# without a host-side sync; programs past their sequence's last tile have no keys to visit.
+# without a host-side sync; programs past their sequence's last tile have no keys to visit. A third grid
+# axis splits the keys (flash decoding) when the first two would leave the GPU mostly idle: each split
+# writes its partial softmax state and a torch merge combines them.
 
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    scale, S,
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale, S, T, Q_HEADS, SPLIT_LEN,
     s_qt, s_qh, s_ot, s_oh, s_block, s_kv, s_head, s_tok, s_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP32_DOTS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
 
     # the sequence owning tile pid: the last s with query_start[s] // BLOCK_Q + s <= pid
@@ -192,9 +196,16 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * s_bt
     head_off = kvh.to(tl.int64) * s_head
-    for start in range(0, kv_end, BLOCK_N):
+    if NUM_SPLITS > 1:
+        # split-KV (flash decoding): this program covers keys [split * SPLIT_LEN, (split + 1) * SPLIT_LEN)
+        kv_lo = split * SPLIT_LEN
+        kv_hi = tl.minimum(kv_end, kv_lo + SPLIT_LEN)
+    else:
+        kv_lo = 0
+        kv_hi = kv_end
+    for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < kv_end
+        pos_ok = pos < kv_hi
         phys = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         tok_off = phys * s_block + head_off + (pos % BLOCK_SIZE).to(tl.int64) * s_tok
         kv_mask = pos_ok[:, None] & d_ok[None, :]
@@ -220,9 +231,17 @@ def _paged_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS > 1:
+        # partial state (running max, normaliser, unnormalised output) per (split, token, q head), merged by
+        # _merge_splits; a split with no keys leaves (-inf, 0, 0), which the merge weighs by zero
+        part = (split * T + q_tok) * Q_HEADS + head
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
 
 
 def _tile_sizes(group: int) -> tuple[int, int, int]:
@@ -234,11 +253,35 @@ def _tile_sizes(group: int) -> tuple[int, int, int]:
     return group_pad, block_q, block_n
 
 
-def paged_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           query_start: torch.Tensor, scale: float) -> torch.Tensor:
-    """The Triton kernel (one launch over the ragged batch); same contract as :func:`paged_attention`.
+_SM_COUNT: dict[int, int] = {}
 
-    Checks shapes only: the ragged structure is read on the device, never synced to the host.
+
+def _num_splits(device: torch.device, programs: int, max_context: int, block_n: int) -> int:
+    """KV splits so that few long sequences (small-batch decode) still fill the GPU; 1 under the interpreter."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    want = triton.cdiv(2 * _SM_COUNT[index], programs)  # about two programs per SM
+    return max(1, min(want, triton.cdiv(max_context, 8 * block_n), 64))  # each split >= 8 KV tiles
+
+
+def _merge_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor, out: torch.Tensor) -> None:
+    # part_m, part_l [splits, T, q_heads], part_acc [splits, T, q_heads, D] -> out [T, q_heads, D]
+    m = part_m.max(dim=0).values
+    w = torch.exp(part_m - m)  # splits without keys: exp(-inf) = 0
+    out.copy_((w[..., None] * part_acc).sum(dim=0) / (w * part_l).sum(dim=0)[..., None])
+
+
+def paged_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           query_start: torch.Tensor, scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+    """The Triton kernel; same contract as :func:`paged_attention`.
+
+    One launch over the ragged batch, plus a small torch merge when the keys are split across programs
+    (``num_splits`` > 1; None = chosen from the GPU's size, the batch and block_tables' width, so that
+    small-batch long-context decode fills the GPU). Checks shapes only: the ragged structure is read on
+    the device, never synced to the host.
     """
     t, q_heads, head_dim, kv_heads, block_size, s = _check_inputs(q, kv_pool, block_tables, seq_lens, query_start)
     if q.dtype != kv_pool.dtype:
@@ -252,12 +295,23 @@ def paged_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, block_tables:
     q = q if q.stride(-1) == 1 else q.contiguous()
     kv_pool = kv_pool if kv_pool.stride(-1) == 1 else kv_pool.contiguous()
     block_tables = block_tables.to(device=device, dtype=torch.int32).contiguous()
-    grid = (triton.cdiv(t, block_q) + s, kv_heads)
-    _paged_attention_kernel[grid](
+    tiles = triton.cdiv(t, block_q) + s
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = _num_splits(q.device, tiles * kv_heads, max_context, block_n)
+    num_splits = max(1, int(num_splits))
+    split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    if num_splits > 1:
+        part_m = torch.full((num_splits, t, q_heads), float("-inf"), dtype=torch.float32, device=device)
+        part_l = torch.zeros((num_splits, t, q_heads), dtype=torch.float32, device=device)
+        part_acc = torch.zeros((num_splits, t, q_heads, head_dim), dtype=torch.float32, device=device)
+    else:
+        part_m = part_l = part_acc = out  # placeholders, never touched with NUM_SPLITS = 1
+    _paged_attention_kernel[(tiles, kv_heads, num_splits)](
         q, kv_pool, block_tables,
         seq_lens.to(device=device, dtype=torch.int32).contiguous(),
         query_start.to(device=device, dtype=torch.int32).contiguous(),
-        out, float(scale), s,
+        out, part_m, part_l, part_acc, float(scale), s, t, q_heads, split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), GROUP=group, GROUP_PAD=group_pad,
@@ -265,8 +319,10 @@ def paged_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, block_tables:
         # float32 pools: IEEE float32 dots; bf16/fp16: tensor-core dots with float32 accumulation, except
         # bf16 under the interpreter, whose bf16 tl.dot returns garbage (triton 3.9)
         FP32_DOTS=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
-        num_warps=4,
+        NUM_SPLITS=num_splits, num_warps=4,
     )
+    if num_splits > 1:
+        _merge_splits(part_m, part_l, part_acc, out)
     return out
 
 
