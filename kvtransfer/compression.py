@@ -21,7 +21,8 @@ def wire_bytes(layout: KVLayout, num_tokens: int, compression: str) -> int:
     from pdserve.kernels.kv_quant import payload_bytes
 
     nb = layout.num_blocks(num_tokens)
-    return layout.num_layers * payload_bytes(nb, layout.kv_heads, layout.block_size, layout.head_dim)
+    # one quantisation group per (token, K/V, head): see kvtransfer.tcp.to_token_groups
+    return layout.num_layers * payload_bytes(nb * layout.block_size, layout.kv_heads, 1, layout.head_dim)
 
 
 def wire_round_trip(kv: KVBlocks, compression: str) -> tuple[KVBlocks, int]:
