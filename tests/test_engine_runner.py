@@ -267,3 +267,34 @@ def test_export_import_into_a_fresh_runner_continues_identically(runner, model_d
     fresh.free("dst")
     fresh.free("from-hf")
     assert fresh.pool.utilization() == 0.0
+
+
+def test_bfloat16_pool_matches_the_hf_runtime_in_bfloat16(model_dir, hf, prompts):
+    hf16 = ModelRunner(model_dir, dtype=torch.bfloat16)
+    ours = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=16)
+    assert ours.layout == hf16.layout and ours.layout.dtype == "bfloat16"
+    prompt = prompts[0]
+    logits, cache = hf16.prefill(prompt)
+    theirs = hf16.cache_to_blocks(cache)
+    mine = ours.prefill("a", prompt)
+    kv = ours.export_kv("a")
+    assert kv.layers[0].dtype == torch.bfloat16
+    # Two bf16 runtimes round differently, so their KV is close, not equal. The scale of "close" is
+    # bf16 rounding itself: per layer, ours differs from HF's bf16 KV (and from the fp32 KV) by no
+    # more than HF's bf16 KV differs from the fp32 KV, with a 25% margin.
+    exact = hf.cache_to_blocks(hf.prefill(prompt)[1])
+    norm = torch.linalg.vector_norm
+    for i, (a, b, c) in enumerate(zip(kv.layers, theirs.layers, exact.layers)):
+        a, b = a.float(), b.float()
+        bf16_error = norm(b - c)
+        assert norm(a - b) <= 1.25 * bf16_error, f"layer {i}"
+        assert norm(a - c) <= 1.25 * bf16_error, f"layer {i}"
+    theirs_out, mine_out = [int(logits.argmax())], [int(mine.argmax())]
+    ours.import_kv("from-hf", theirs)  # and the HF runtime's bf16 KV lands in the pool
+    from_hf = [theirs_out[0]]
+    for _ in range(NEW_TOKENS - 1):
+        theirs_out.append(int(hf16.forward([theirs_out[-1]], cache)[-1].argmax()))
+        a, b = ours.step([("a", [mine_out[-1]]), ("from-hf", [from_hf[-1]])])
+        mine_out.append(int(a[-1].argmax()))
+        from_hf.append(int(b[-1].argmax()))
+    assert mine_out == theirs_out == from_hf
