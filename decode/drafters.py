@@ -389,33 +389,31 @@ def check_tokenizer_compatible(target_tok: Any, draft_tok: Any) -> None:
 
 
 def process_logits(logits: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor:
-    """Processed sampling distribution: temperature, then top-k, then top-p (nucleus).
+    """Processed sampling distribution of one request: logits ``[..., V]`` → probabilities
+    ``[..., V]`` float32 (temperature, then top-k, then top-p).
 
-    ``logits`` ``[..., V]`` → probabilities ``[..., V]`` float32 summing to 1 over the kept
-    tokens. Ties at the top-k / top-p boundary keep every tied token.
+    Delegates to the verifier's own reference (``kernels.spec_verify.process_logits``), so a
+    draft samples from exactly the distribution the verification kernel assumes it did.
     """
-    x = logits.float() / max(sampling.temperature, 1e-6)
-    vocab = x.shape[-1]
-    if 0 < sampling.top_k < vocab:
-        kth = torch.topk(x, sampling.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if sampling.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        # keep a token if the mass strictly before it is < top_p (the first token always stays)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        keep_sorted = before < sampling.top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = probs * keep
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    from pdserve.kernels.spec_verify import process_logits as verifier_process_logits
+
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    n = flat.shape[0]
+    probs = verifier_process_logits(
+        flat,
+        torch.full((n,), float(sampling.temperature), dtype=torch.float32),
+        torch.full((n,), int(sampling.top_k), dtype=torch.long),
+        torch.full((n,), float(sampling.top_p), dtype=torch.float32),
+    )
+    return probs.reshape(logits.shape)
 
 
 def crop_cache(cache: Any, length: int) -> None:
     """Crop a transformers ``DynamicCache`` to its first ``length`` positions.
 
-    Uses the negative ("remove this many") form, the one both transformers 5.17 and 5.24 take;
-    never calls ``crop(0)`` (5.17 reads that as "crop to length 0").
+    Uses the negative ("remove this many") form, which transformers 5.24 requires (it refuses
+    a positive length) and older versions also take; never calls ``crop(0)``, which older
+    versions read as "crop to length 0".
     """
     remove = cache.get_seq_length() - length
     if remove < 0:
