@@ -22,7 +22,8 @@ NON_DEFAULT = ["--set", "nats.enabled=false", "--set", "nats.external.url=nats:/
                "--set", "nats.external.existingSecret=infra-nats", "--set", "webhook.enabled=false",
                "--set", "operator.watchNamespaces={ml,research}", "--set", "operator.verbose=true",
                "--set", "image.tag=0.1.1", "--set", "serviceAccount.name=pdserve-op",
-               "--set", "operator.podAnnotations.team=ml"]
+               "--set", "operator.podAnnotations.team=ml",
+               "--set", "metricsAdapter.enabled=true", "--set", "metricsAdapter.registerExternalMetrics=false"]
 
 
 def _helm() -> str:
@@ -118,13 +119,15 @@ def test_non_default_render_uses_external_nats_and_no_webhook():
     docs = render(*NON_DEFAULT)
     assert not any(d["kind"] == "ValidatingWebhookConfiguration" for d in docs)
     assert not any(d["metadata"]["name"].endswith("-nats") for d in docs if d["kind"] == "Deployment")
-    op = next(d for d in docs if d["kind"] == "Deployment")
+    op = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pdserve-operator")
     c = op["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["PDSERVE_NATS_URL"] == "nats://nats.infra:4222" and env["PDSERVE_NATS_SECRET"] == "infra-nats"
     assert c["args"] == ["--namespace=ml", "--namespace=research", "--verbose"]
     assert c["image"] == "ghcr.io/pdserve/pdserve:0.1.1"
     assert op["spec"]["template"]["spec"]["serviceAccountName"] == "pdserve-op"
+    apis = {d["metadata"]["name"] for d in docs if d["kind"] == "APIService"}
+    assert apis == {"v1beta1.custom.metrics.k8s.io"}  # the metrics adapter, external group turned off
 
 
 def test_chart_crd_matches_the_operator():
