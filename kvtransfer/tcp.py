@@ -153,7 +153,8 @@ def layer_wire_pieces(index: int, layer: torch.Tensor, compression: str = "none"
         from pdserve.kernels.kv_quant import pack
 
         per_token = to_token_groups(layer)
-        payload, scales = pack(per_token, torch.arange(per_token.shape[0]), compression, impl="reference")
+        payload, scales = pack(per_token, torch.arange(per_token.shape[0]), compression,
+                               impl="triton" if layer.is_cuda else "reference")
         data = tensor_bytes(payload)
         pieces = [(SCALES, index, 0, tensor_bytes(scales))]
     n = len(data)
@@ -214,6 +215,7 @@ class Assembly:
         self.complete = [False] * L
         self.bytes_on_wire = 0
         self.t0 = time.monotonic()
+        self.eager: Callable[[], bool] = lambda: False  # does someone consume layers as they complete?
 
     def _wire_buf(self, layer: int) -> torch.Tensor:
         if self._buf[layer] is None:
@@ -272,7 +274,7 @@ class Assembly:
             lay = self.layout
             groups = torch.empty(self.nb * lay.block_size, 2, lay.kv_heads, 1, lay.head_dim, dtype=lay.torch_dtype)
             unpack(wire, self._scales[layer], groups, torch.arange(groups.shape[0]), self.compression,
-                   impl="reference")
+                   impl="triton" if groups.is_cuda else "reference")
             out = from_token_groups(groups, lay.block_size)
             self._scales[layer] = None
         self._buf[layer] = None
@@ -358,6 +360,7 @@ class _BlockingSender:
     def __init__(self, sock: socket.socket, addr: str, timeout: float):
         self.sock, self.addr, self.timeout = sock, addr, timeout
         self.refused = False
+        self.sent = 0  # layers sent
 
     def _peer_spoke(self) -> bool:
         r, _, _ = select.select([self.sock], [], [], 0)
@@ -431,12 +434,12 @@ async def send_kv(addr: str, header: TransferHeader, kv: KVBlocks, *, timeout: f
     for `timeout` s), or the connection breaks.
     """
     return await send_kv_stream(addr, header, _aiter(kv.layers), timeout=timeout, connect_timeout=connect_timeout,
-                                chunk_bytes=chunk_bytes)
+                                chunk_bytes=chunk_bytes, _all_at_once=list(enumerate(kv.layers)))
 
 
 async def send_kv_stream(addr: str, header: TransferHeader, layers: AsyncIterator[tuple[int, torch.Tensor]], *,
                          timeout: float = 30.0, connect_timeout: float = 5.0,
-                         chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+                         chunk_bytes: int = DEFAULT_CHUNK_BYTES, _all_at_once: list | None = None) -> dict:
     """Layer streaming: open the transfer now and send each `(layer_index, [nb, 2, H, bs, D] tensor)` as the
     iterator yields it (e.g. from prefill's per-layer hooks), so the wire overlaps the compute.
 
@@ -459,21 +462,33 @@ async def send_kv_stream(addr: str, header: TransferHeader, layers: AsyncIterato
         await loop.run_in_executor(_POOL, tx.send_frames, hello)
         if header.transport == "shm":
             shm = _create_segment(header)
-        sent = 0
-        async for index, layer in layers:
-            if tx.refused:
-                break
-            if shm is not None:
-                frames = _write_shm_layer(shm[1], index, layer, header)
-                await loop.run_in_executor(_POOL, lambda: tx.send_frames(frames, crcs=False))
-            else:
-                pieces = await loop.run_in_executor(
-                    _POOL, layer_wire_pieces, index, layer, header.compression, chunk_bytes)
-                await loop.run_in_executor(_POOL, tx.send_frames, pieces)
-            sent += 1
-        if not tx.refused:
-            end = json.dumps({"chunks": sent, "bytes": header.total_bytes}).encode()
-            await loop.run_in_executor(_POOL, tx.send_frames, [(END, 0, 0, memoryview(end))])
+        mm = shm[1] if shm is not None else None
+
+        def send_layers(batch: list[tuple[int, torch.Tensor]], last: bool) -> None:
+            # one worker-thread call per batch: the whole KV at once, or one layer when streaming
+            if mm is not None:
+                for index, layer in batch:
+                    if tx.refused:
+                        return
+                    tx.send_frames(_write_shm_layer(mm, index, layer, header), crcs=False)
+                    tx.sent += 1
+            elif batch:
+                # all frames of the batch in one pipeline: chunk i+1's crc overlaps chunk i's send
+                tx.send_frames([p for index, layer in batch
+                                for p in layer_wire_pieces(index, layer, header.compression, chunk_bytes)])
+                tx.sent += len(batch)
+            if last and not tx.refused:
+                end = json.dumps({"chunks": tx.sent, "bytes": header.total_bytes}).encode()
+                tx.send_frames([(END, 0, 0, memoryview(end))])
+
+        if _all_at_once is not None:
+            await loop.run_in_executor(_POOL, send_layers, _all_at_once, True)
+        else:
+            async for index, layer in layers:
+                await loop.run_in_executor(_POOL, send_layers, [(index, layer)], False)
+                if tx.refused:
+                    break
+            await loop.run_in_executor(_POOL, send_layers, [], True)
         return await loop.run_in_executor(_POOL, tx.read_ack)
     finally:
         try:
@@ -704,7 +719,9 @@ class KVReceiver:
             if exp.layer_queue is not None:
                 loop.call_soon_threadsafe(exp.layer_queue.put_nowait, (i, t))
 
-        return exp, Assembly(self.layout, header, on_layer)
+        asm = Assembly(self.layout, header, on_layer)
+        asm.eager = lambda: exp.layer_queue is not None
+        return exp, asm
 
     def complete(self, exp: Expected, asm: Assembly) -> dict:
         kv, stats = asm.finish()
@@ -850,8 +867,8 @@ class KVReceiver:
                 self._read_into(sock, mv)
                 settle()
                 pending = (_CRC_POOL.submit(_crc, mv), crc, kind, layer, length)
-                if kind == CHUNK and offset + length == asm.wire_bytes:
-                    settle()  # a layer's last chunk: hand the layer over now (layer streaming)
+                if kind == CHUNK and offset + length == asm.wire_bytes and asm.eager():
+                    settle()  # a streaming consumer waits: hand the finished layer over now
         finally:
             # On failure nothing keeps the mapping; on success the layer tensors do (the file is gone).
             pass
