@@ -211,7 +211,8 @@ class Assembly:
         self.layers: list[torch.Tensor | None] = [None] * L
         self._buf: list[torch.Tensor | None] = [None] * L  # wire buffers being filled
         self._scales: list[torch.Tensor | None] = [None] * L
-        self.filled = [0] * L
+        self.filled = [0] * L  # bytes committed (checksum verified)
+        self.next_offset = [0] * L  # bytes handed out to be written (a chunk may be in flight)
         self.complete = [False] * L
         self.bytes_on_wire = 0
         self.t0 = time.monotonic()
@@ -241,10 +242,11 @@ class Assembly:
             return tensor_bytes(self._scales[layer])
         if kind != CHUNK:
             raise TransferError(f"expected chunk for layer {layer}, got frame kind {kind}")
-        if offset != self.filled[layer]:
-            raise TransferError(f"layer {layer}: chunk at offset {offset}, expected {self.filled[layer]}")
+        if offset != self.next_offset[layer]:
+            raise TransferError(f"layer {layer}: chunk at offset {offset}, expected {self.next_offset[layer]}")
         if offset + length > self.wire_bytes:
             raise TransferError(f"layer {layer}: {offset + length} bytes, layout says {self.wire_bytes}")
+        self.next_offset[layer] = offset + length
         return tensor_bytes(self._wire_buf(layer))[offset:offset + length]
 
     def commit(self, kind: int, layer: int, length: int) -> None:
@@ -262,7 +264,7 @@ class Assembly:
         if not 0 <= layer < self.layout.num_layers or self.complete[layer]:
             raise TransferError(f"unexpected or repeated layer {layer}")
         self.bytes_on_wire += tensor.numel() * tensor.element_size()
-        self.filled[layer] = self.wire_bytes
+        self.filled[layer] = self.next_offset[layer] = self.wire_bytes
         self._finish_layer(layer, tensor.view(self.layout.torch_dtype).view(self.shape))
 
     def _finish_layer(self, layer: int, wire: torch.Tensor) -> None:

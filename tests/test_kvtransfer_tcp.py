@@ -241,3 +241,27 @@ def test_header_size_must_match_layout():
         await rx.close()
 
     run(go())
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_layers_split_into_many_chunks_arrive_intact(compression):
+    """Chunks far smaller than a layer (crc of one overlapping the receipt of the next) reassemble exactly."""
+    layout = LAYOUT.model_copy(update={"dtype": "bfloat16"})
+    kv = make_kv(37, layout)
+
+    async def go():
+        rx = await KVReceiver(layout).start()
+        token = rx.expect("r1", "prefill-a", 7, layout, kv.num_tokens, compression=compression)
+        hdr = header(token, kv, compression=compression)
+        ack, (got, stats) = await asyncio.gather(send_kv(rx.address, hdr, kv, chunk_bytes=100), rx.wait(token, 5))
+        await rx.close()
+        return ack, got, stats
+
+    ack, got, stats = run(go())
+    layer_bytes = kv.layers[0].numel() * (2 if compression == "none" else 1)
+    assert ack["ok"] and stats["wire_bytes"] >= layer_bytes * len(kv.layers)
+    for a, b in zip(kv.layers, got.layers):
+        if compression == "none":
+            assert torch.equal(a, b)
+        else:
+            assert (a.float() - b.float()).abs().max() <= a.float().abs().max() / 100
