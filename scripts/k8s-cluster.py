@@ -63,6 +63,8 @@ class LocalCluster:
     """One control plane in a temp dir. `start()` blocks until /readyz answers; `stop()` kills all.
 
     Attributes after start: `server` (https URL), `token` (admin bearer token), `kubeconfig` (path), `ca_file` (CA bundle of the server),
+    `front_proxy_ca` (CA of the aggregator's front-proxy client certificate, as extension API
+    servers see it: --requestheader-client-ca-file),
     `workdir` (temp dir with logs: etcd.log, apiserver.log, controller-manager.log).
     `controller_args` are appended to kube-controller-manager's command line (e.g. a shorter
     `--horizontal-pod-autoscaler-sync-period`).
@@ -75,6 +77,7 @@ class LocalCluster:
     token: str = ""
     kubeconfig: str = ""
     ca_file: str = ""
+    front_proxy_ca: str = ""
     _procs: list[subprocess.Popen] = field(default_factory=list)
     _own_workdir: bool = False
 
@@ -92,6 +95,7 @@ class LocalCluster:
         subprocess.run(["openssl", "genrsa", "-out", str(w / "sa.key"), "2048"], check=True, capture_output=True)
         subprocess.run(["openssl", "rsa", "-in", str(w / "sa.key"), "-pubout", "-out", str(w / "sa.pub")],
                        check=True, capture_output=True)
+        self._front_proxy_certs(w)
         etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
         self._spawn("etcd", [
             find_binary("etcd"), "--data-dir", str(w / "etcd"), "--name", "pdserve-test",
@@ -117,6 +121,16 @@ class LocalCluster:
             f"--service-account-signing-key-file={w / 'sa.key'}",
             "--disable-admission-plugins=ServiceAccount",
             "--allow-privileged=true",
+            # Aggregation layer: the apiserver proxies to extension API servers (a metrics adapter)
+            # with a client certificate signed by this CA; they read it from
+            # kube-system/extension-apiserver-authentication.
+            f"--requestheader-client-ca-file={self.front_proxy_ca}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={w / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={w / 'front-proxy-client.key'}",
             *self.apiserver_args,
         ])
         # kube-apiserver writes its self-signed serving cert (with its CA) here at start.
@@ -144,6 +158,19 @@ class LocalCluster:
             *self.controller_args,
         ])
         return self
+
+    def _front_proxy_certs(self, w: Path) -> None:
+        def ssl(*args: str) -> None:
+            subprocess.run(["openssl", *args], check=True, capture_output=True)
+        ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=pdserve-test-front-proxy-ca",
+            "-keyout", str(w / "front-proxy-ca.key"), "-out", str(w / "front-proxy-ca.crt"))
+        ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=front-proxy-client",
+            "-keyout", str(w / "front-proxy-client.key"), "-out", str(w / "front-proxy-client.csr"))
+        (w / "client.ext").write_text("extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n")
+        ssl("x509", "-req", "-in", str(w / "front-proxy-client.csr"), "-CA", str(w / "front-proxy-ca.crt"),
+            "-CAkey", str(w / "front-proxy-ca.key"), "-CAcreateserial", "-days", "2",
+            "-extfile", str(w / "client.ext"), "-out", str(w / "front-proxy-client.crt"))
+        self.front_proxy_ca = str(w / "front-proxy-ca.crt")
 
     def _spawn(self, name: str, cmd: list) -> None:
         log = open(self.workdir / f"{name}.log", "wb")

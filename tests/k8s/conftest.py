@@ -5,7 +5,9 @@ kube-controller-manager on loopback; no kubelet, no scheduler). Binaries come fr
 Fixtures (all session-scoped unless noted):
 
 - `k8s_cluster` -> `LocalCluster`: the running control plane. Attributes: `server` (https URL),
-  `token` (admin bearer token, group system:masters), `kubeconfig` (path), `ca_file` (server CA), `workdir` (temp dir
+  `token` (admin bearer token, group system:masters), `kubeconfig` (path), `ca_file` (server CA),
+  `front_proxy_ca` (CA of the aggregator's front-proxy client cert; the apiserver runs with
+  --requestheader-client-ca-file and --proxy-client-cert-file, so aggregated APIs can demand it), `workdir` (temp dir
   with etcd/apiserver/controller-manager logs). `KUBECONFIG` is exported to it for the whole
   session (kopf's `KopfRunner`, kubectl and helm pick it up; `kubernetes.config`'s default path
   too, so `load_kube_config()` without arguments works). Tests are SKIPPED with the reason
