@@ -119,11 +119,14 @@ def test_prefill_chunks_interleave_with_decode_in_one_step(runner, prompts, alon
     long_prompt, short = prompts[2], prompts[0]
     out = [int(runner.prefill("dec", short).argmax())]
     assert runner.start("pre", long_prompt, reuse_prefix=False) == 0
-    chunks = [long_prompt[i : i + 96] for i in range(0, len(long_prompt), 96)]
+    chunks = [long_prompt[i : i + 128] for i in range(0, len(long_prompt), 128)]
+    assert len(chunks) == 3  # 3 steps of 3 decoded tokens: the NEW_TOKENS of `alone`
     for chunk in chunks:
-        dec, pre = runner.step([("dec", [out[-1]]), ("pre", chunk)], last_only=True)
-        out.append(int(dec[-1].argmax()))
-    assert out == alone[0][: len(out)]
+        spec = [out[-1]] + alone[0][len(out) : len(out) + 2]  # the decode side verifies 2 (right) drafts
+        dec, pre = runner.step([("dec", spec), ("pre", chunk)], last_only=[False, True])
+        assert dec.shape[0] == 3 and pre.shape[0] == 1
+        out.extend(int(x) for x in dec.argmax(-1))
+    assert len(out) == 1 + 3 * len(chunks) and out == alone[0][: len(out)]
     assert int(pre[-1].argmax()) == alone[2][0]
     runner.free("dec")
     runner.free("pre")

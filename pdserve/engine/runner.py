@@ -110,12 +110,13 @@ class PagedRunner:
         return logits[-1]
 
     @torch.inference_mode()
-    def step(self, batch: list[tuple[object, list[int]]], *, last_only: bool = False) -> list[Tensor]:
+    def step(self, batch: list[tuple[object, list[int]]], *, last_only: bool | list[bool] = False) -> list[Tensor]:
         """One forward for a ragged batch: each (seq_id, new_token_ids) appends its tokens to that sequence.
 
         Returns, per sequence in order, logits `[n_i, vocab]` float32 for its n_i new tokens
-        (`[1, vocab]` for the last one only if `last_only`): row j predicts the token after
-        new_token_ids[j]. If the pool cannot hold the new tokens (OutOfBlocks) or the forward
+        (`[1, vocab]` for the last one only where `last_only`, a flag for all or one per
+        sequence — a prompt chunk needs only its last row, a verification all k+1): row j
+        predicts the token after new_token_ids[j]. If the pool cannot hold the new tokens (OutOfBlocks) or the forward
         fails, the error is raised and every sequence is left as it was.
         """
         if not batch:
@@ -151,11 +152,12 @@ class PagedRunner:
         query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
         input_ids = torch.tensor([t for _, new in batch for t in new], dtype=torch.int64)
-        ends = query_start[1:].to(torch.int64)
-        if last_only:
-            logits_index = ends - 1
-        else:
-            logits_index = torch.arange(int(ends[-1]))
+        flags = last_only if isinstance(last_only, list) else [last_only] * len(batch)
+        if len(flags) != len(batch):
+            raise ValueError(f"last_only has {len(flags)} flags for {len(batch)} sequences")
+        rows = [1 if flag else n for flag, n in zip(flags, lens)]
+        ends = query_start[1:].tolist()
+        logits_index = torch.cat([torch.arange(e - r, e) for e, r in zip(ends, rows)])
         dev = self.device
         meta = PagedBatch(
             slot_mapping=torch.cat(slots).to(dev),
@@ -177,9 +179,7 @@ class PagedRunner:
             if toks is not None:
                 toks.extend(new)
                 self.pool.register_prefix(sid, toks)
-        if last_only:
-            return list(logits.split(1))
-        return list(logits.split(lens))
+        return list(logits.split(rows))
 
     def fork(self, parent, child) -> None:
         """Start `child` as a copy of `parent` sharing its KV blocks (copy-on-write), e.g. for n > 1 samples."""
