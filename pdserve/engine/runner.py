@@ -8,7 +8,6 @@ payload `pdserve.runtime.ModelRunner` produces, so handoffs work between both ru
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -19,8 +18,6 @@ from pdserve.engine.model import PagedBatch, Transformer
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout, dtype_name
 from pdserve.modelstore import model_fingerprint
 from pdserve.runtime import DEFAULT_BLOCK_SIZE
-
-log = logging.getLogger("pdserve.engine")
 
 __all__ = ["PagedRunner", "OutOfBlocks"]
 
