@@ -18,7 +18,6 @@ import asyncio
 import json
 import logging
 import time
-import zlib
 from typing import AsyncIterator
 
 import torch
@@ -26,7 +25,7 @@ import torch
 from pdserve.kvtransfer.protocol import Subjects
 from pdserve.kvtransfer.tcp import (
     CHUNK, DEFAULT_CHUNK_BYTES, END, HELLO, MAX_CHUNK, MAX_CONTROL_FRAME, SCALES, Assembly, KVReceiver,
-    TransferError, TransferHeader, _HDR, _frame, _parse_header, layer_wire_pieces,
+    TransferError, TransferHeader, _HDR, _crc, _frame, _parse_header, layer_wire_pieces,
 )
 from pdserve.kvtransfer.layout import KVBlocks, LayoutMismatch
 
@@ -234,7 +233,7 @@ class NatsTransferServer:
 
     async def _handle(self, data: bytes) -> dict:
         for kind, layer, crc, offset, payload in _split(data, MAX_CHUNK):
-            if zlib.crc32(payload) != crc:
+            if _crc(payload) != crc:
                 raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
             if kind == HELLO:
                 header = TransferHeader.model_validate_json(bytes(payload))
@@ -271,7 +270,7 @@ class NatsTransferServer:
             except Exception:
                 pass
         for kind, layer, crc, offset, payload in _split(res.data, MAX_CHUNK):
-            if zlib.crc32(payload) != crc:
+            if _crc(payload) != crc:
                 raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
             if kind == END:
                 return

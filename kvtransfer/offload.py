@@ -19,13 +19,12 @@ import asyncio
 import hashlib
 import json
 import logging
-import zlib
 
 import torch
 
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout
 from pdserve.kvtransfer.natsdata import _split, ensure_bucket
-from pdserve.kvtransfer.tcp import CHUNK, HELLO, MAX_CHUNK, TransferError, _frame, tensor_bytes
+from pdserve.kvtransfer.tcp import CHUNK, HELLO, MAX_CHUNK, TransferError, _crc, _frame, tensor_bytes
 
 log = logging.getLogger("pdserve.kvtransfer.offload")
 
@@ -126,7 +125,7 @@ class KVPrefixStore:
         if not frames or frames[0][0] != HELLO:
             raise PrefixCorrupt(f"prefix block {index} ({h}) is not a KV block")
         for kind, layer, crc, _, payload in frames:
-            if zlib.crc32(payload) != crc:
+            if _crc(payload) != crc:
                 raise PrefixCorrupt(f"prefix block {index} ({h}), layer {layer}: checksum mismatch")
             if kind == HELLO:
                 meta = json.loads(bytes(payload))
