@@ -21,14 +21,14 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.decode.drafters import SamplingSpec, crop_cache, make_drafter
 from pdserve.decode.speculation import SpanTracker, SpeculationController
-from pdserve.kernels.spec_verify import draw_randomness, verify
+from pdserve.kernels.spec_verify import verify
 
 from pdserve.kvtransfer.layout import LayoutMismatch
 from pdserve.kvtransfer.protocol import (
     Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
 )
 from pdserve.kvtransfer.tcp import KVReceiver, TransferError
-from pdserve.sampling import TextStream, position_generator, position_noise, processed_probs, sample_next
+from pdserve.sampling import TextStream, sample_next, verification_randomness
 from pdserve.workerbase import WorkerBase, run_worker
 
 log = logging.getLogger("pdserve.decode")
@@ -58,26 +58,6 @@ class Sequence:
         return self.offer.request_id
 
 
-def coupled_verify(logits: torch.Tensor, draft: list[int], params, seed: int, start: int) -> list[int]:
-    """Verify a deterministic (point-mass) draft for a sampled request by the coupled race.
-
-    Position j's token is the race winner argmax(p_j / E_j), E_j ~ Exp(1) drawn from
-    (seed, start + j) — the very token plain sampling would pick there; a draft token is accepted
-    iff it is that winner. P(accept x) = p(x), as in min(1, p/q) with q one-hot, and on rejection
-    the winner is distributed as the residual p without x, so the output is exactly the target
-    distribution — and identical, token for token, to plain sampling with the same seed, whatever
-    k the controller chose. logits `[k+1, V]`; returns the accepted drafts plus one token.
-    """
-    probs = processed_probs(logits, params)
-    out = []
-    for j in range(len(draft) + 1):
-        winner = int(torch.argmax(probs[j] / position_noise(seed, start + j, probs.shape[-1])))
-        out.append(winner)
-        if j == len(draft) or winner != draft[j]:
-            break
-    return out
-
-
 class DecodeWorker(WorkerBase):
     role = "decode"
 
@@ -96,6 +76,7 @@ class DecodeWorker(WorkerBase):
         self._recent_itl: deque[float] = deque(maxlen=64)
         self.spec_method = args.spec_method
         self.spec_max_k = args.spec_max_k if args.spec_method != "none" else 0
+        self.spec_k_policy = args.spec_k_policy
         self.drafter = self._make_drafter(args)
         self.controller = SpeculationController(method=args.spec_method)
         # The fused Triton verifier on GPUs; the torch reference (same function) on the CPU.
@@ -273,27 +254,26 @@ class DecodeWorker(WorkerBase):
         """Score `draft` with one target forward, accept a prefix, roll back the rest (compute thread).
 
         Returns the committed tokens: the accepted drafts, then the correction or bonus token.
+        Point-mass drafts of sampled requests are verified by the coupled race (see
+        kernels.spec_verify), so they reproduce plain sampling token for token.
         """
         params = s.offer.sampling
         kept = s.cache.get_seq_length()
         k = len(draft.token_ids)
-        pos = len(s.generated)
         logits = self.runner.forward([s.generated[-1], *draft.token_ids], s.cache, last_only=False)  # [k+1, V]
-        if params.greedy or draft.probs is not None:
-            u, noise = draw_randomness(1, k, logits.shape[-1], generator=position_generator(s.offer.seed, pos))
-            out, n_acc = verify(
-                logits.unsqueeze(0), torch.tensor([draft.token_ids]), torch.tensor([k], dtype=torch.int32),
-                None if draft.probs is None else draft.probs.unsqueeze(0),
-                torch.tensor([params.temperature]), torch.tensor([params.top_k], dtype=torch.int32),
-                torch.tensor([params.top_p]), u, noise, impl=self.verify_impl,
-            )
-            n = int(n_acc[0])
-            tokens = out[0, : n + 1].tolist()
+        if params.greedy:  # greedy rows consume no randomness
+            u, noise = torch.zeros(1, k), torch.ones(1, logits.shape[-1])
         else:
-            tokens = coupled_verify(logits, draft.token_ids, params, s.offer.seed, pos)
-            n = len(tokens) - 1
+            u, noise = verification_randomness(s.offer.seed, len(s.generated), k, logits.shape[-1])
+        out, n_acc = verify(
+            logits.unsqueeze(0), torch.tensor([draft.token_ids]), torch.tensor([k], dtype=torch.int32),
+            None if draft.probs is None else draft.probs.unsqueeze(0),
+            torch.tensor([params.temperature]), torch.tensor([params.top_k], dtype=torch.int32),
+            torch.tensor([params.top_p]), u, noise, impl=self.verify_impl,
+        )
+        n = int(n_acc[0])
         crop_cache(s.cache, kept + 1 + n)  # keep the fed token and the accepted drafts; drop rejected KV
-        return tokens
+        return out[0, : n + 1].tolist()
 
     async def _advance(self, s: Sequence) -> list[int]:
         """Produce the next token(s) of `s`: speculatively when the controller says it pays."""
@@ -303,7 +283,10 @@ class DecodeWorker(WorkerBase):
         span = s.span.kind
         k = 0
         if s.max_k and room > 0:
-            k = self.controller.choose_k(rid, span, len(self.running), min(s.max_k, room))
+            if self.spec_k_policy == "fixed":
+                k = min(s.max_k, room)
+            else:
+                k = self.controller.choose_k(rid, span, len(self.running), min(s.max_k, room))
         self.m_spec_k.observe(k)
         draft = None
         if k:
@@ -378,7 +361,10 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, default=64, help="sequences decoded at once")
     p.add_argument("--kv-capacity-bytes", type=int, default=4 << 30, help="KV bytes this worker may hold")
     p.add_argument("--spec-method", default="none", choices=["none", "ngram", "draft"])
-    p.add_argument("--spec-max-k", type=int, default=8)
+    p.add_argument("--spec-max-k", type=int, default=8, help="most draft tokens verified per step")
+    p.add_argument("--spec-k-policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="adaptive: the latency model and acceptance choose k each step (0 when it would not "
+                        "pay); fixed: always the max (for tests and measurements)")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--kv-compression", default="none", choices=["none", "int8", "fp8"])
 

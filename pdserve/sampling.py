@@ -43,15 +43,27 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
 
-def position_generator(seed: int, position: int) -> torch.Generator:
-    """The generator for the draw at generated position `position` of a request seeded `seed`."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+def position_generator(seed: int, position: int, stream: str = "") -> torch.Generator:
+    """The generator for the draws at generated position `position` of a request seeded `seed`.
+
+    `stream` names an independent stream at the same position ("" = the token's noise).
+    """
+    digest = hashlib.blake2b(f"{seed}:{position}{':' + stream if stream else ''}".encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
 
 
 def position_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
     """Exp(1) noise `[vocab]` for generated position `position`: the one source of randomness per token."""
     return draw_randomness(1, 0, vocab, generator=position_generator(seed, position))[1][0]
+
+
+def verification_randomness(seed: int, start: int, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What verifying k drafts from generated position `start` consumes: (uniform_accept `[1, k]`,
+    per-position noise `[1, k+1, vocab]`). Row j of the noise is `position_noise(seed, start + j)`,
+    the draw plain sampling makes there; the uniforms come from an independent stream."""
+    noise = torch.stack([position_noise(seed, start + j, vocab) for j in range(k + 1)])
+    u = torch.rand(1, k, generator=position_generator(seed, start, "accept"))
+    return u, noise.unsqueeze(0)
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
