@@ -8,12 +8,13 @@ whose frames are described in `kvtransfer.frames`.
 Versioning: every subject starts with `pdserve.v1`; every message carries `v` (the protocol
 version). A receiver refuses a message of a version it does not speak with an explicit error.
 
-Subjects (`{m}` is the served model name, `{w}` a worker id, `{r}` a request id):
+Subjects (`{s}` is the deployment scope — see LoadReport.scope —, `{m}` the served model name,
+`{w}` a worker id, `{r}` a request id):
 
 | subject                                  | from → to        | message                      |
 |------------------------------------------|------------------|------------------------------|
-| pdserve.v1.prefill.{m}  (queue "prefill")| front → prefill  | PrefillRequest → Ack         |
-| pdserve.v1.decode.{w}.handoff            | prefill → decode | HandoffOffer → HandoffReply  |
+| pdserve.v1.prefill.{s}.{m} (queue)       | front → prefill  | PrefillRequest → Ack         |
+| pdserve.v1.decode.{s}.{w}.handoff        | prefill → decode | HandoffOffer → HandoffReply  |
 | pdserve.v1.stream.{r}                    | workers → front  | StreamEvent (tokens/errors)  |
 | pdserve.v1.cancel.{r}                    | front → workers  | Cancel                       |
 | pdserve.v1.load.{role}.{w}               | worker → all     | LoadReport (1 Hz; heartbeat) |
@@ -54,12 +55,12 @@ class Subjects:
     """Subject names. Model names and ids are sanitised into single subject tokens."""
 
     @staticmethod
-    def prefill(model: str) -> str:
-        return f"{PREFIX}.prefill.{_safe_token(model)}"
+    def prefill(scope: str, model: str) -> str:
+        return f"{PREFIX}.prefill.{_safe_token(scope)}.{_safe_token(model)}"
 
     @staticmethod
-    def decode_handoff(worker_id: str) -> str:
-        return f"{PREFIX}.decode.{_safe_token(worker_id)}.handoff"
+    def decode_handoff(scope: str, worker_id: str) -> str:
+        return f"{PREFIX}.decode.{_safe_token(scope)}.{_safe_token(worker_id)}.handoff"
 
     @staticmethod
     def stream(request_id: str) -> str:
@@ -149,6 +150,10 @@ class LoadReport(Message):
     tokens_per_second: float = 0.0
     spec_acceptance_rate: float = 0.0
     stale_after_s: float = 3.0
+    # The deployment this worker belongs to (an InferenceService: "namespace.name"; locally, one
+    # `pdserve up`). Prefill queues and handoff subjects are per scope, so two deployments of the
+    # same model on one NATS never take each other's requests.
+    scope: str = "default"
 
 
 # --- the request path -------------------------------------------------------------------------
