@@ -178,6 +178,7 @@ class NatsTransferServer:
         self.last = time.monotonic()
         self.sub = None
         self.watchdog: asyncio.Task | None = None
+        self.fetching = False
 
     async def start(self) -> "NatsTransferServer":
         self.sub = await self.nc.subscribe(Subjects.kv_data(self.token), cb=self._on_msg)
@@ -203,7 +204,7 @@ class NatsTransferServer:
         # Until the first frame, only the caller's `wait(token, timeout)` bounds the transfer (as for TCP,
         # where no connection means no stall clock); from then on, silence longer than the bound fails it.
         while not self.exp.future.done():
-            if self.asm is None:
+            if self.asm is None or self.fetching:  # a fetch is bounded by its own timeout
                 await asyncio.sleep(0.2)
                 continue
             idle = time.monotonic() - self.last
@@ -245,7 +246,12 @@ class NatsTransferServer:
             elif self.asm is None:
                 raise TransferError(f"expected HELLO, got frame kind {kind}")
             elif kind == OBJECT:
-                await self._fetch(json.loads(bytes(payload)))
+                self.fetching = True
+                try:
+                    await self._fetch(json.loads(bytes(payload)))
+                finally:
+                    self.fetching = False
+                    self.last = time.monotonic()
                 return self._finish()
             elif kind == END:
                 return self._finish()
