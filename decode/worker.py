@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -131,7 +132,7 @@ class DecodeWorker(WorkerBase):
 
     async def on_start(self) -> None:
         await self.receiver.start()
-        await self.nc.subscribe(Subjects.decode_handoff(self.worker_id), cb=self._on_offer)
+        await self.nc.subscribe(Subjects.decode_handoff(self.scope, self.worker_id), cb=self._on_offer)
         await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
         self.spawn(self._decode_loop())
 
@@ -357,7 +358,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-host", default="127.0.0.1", help="bind address of the KV data port")
     p.add_argument("--data-port", type=int, default=0, help="KV data port (0 = any free port)")
     p.add_argument("--advertise-host", default=None, help="address prefill should dial (default: $POD_IP or --data-host)")
-    p.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may stall before it fails")
+    p.add_argument("--transfer-timeout", type=float, default=float(os.environ.get("PDSERVE_KV_TIMEOUT_SECONDS", "30")), help="seconds a KV transfer may stall before it fails")
     p.add_argument("--max-running", type=int, default=64, help="sequences decoded at once")
     p.add_argument("--kv-capacity-bytes", type=int, default=4 << 30, help="KV bytes this worker may hold")
     p.add_argument("--spec-method", default="none", choices=["none", "ngram", "draft"])

@@ -7,7 +7,10 @@ from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects
 
 
 class WorkerRegistry:
-    def __init__(self):
+    """Workers of one deployment scope; reports from other scopes on the same NATS are ignored."""
+
+    def __init__(self, scope: str = "default"):
+        self.scope = scope
         self._workers: dict[tuple[str, str], tuple[float, LoadReport]] = {}
         self.malformed = 0
 
@@ -21,6 +24,8 @@ class WorkerRegistry:
         except ProtocolError:
             self.malformed += 1
             return
+        if r.scope != self.scope:
+            return
         self._workers[(r.role, r.worker_id)] = (time.monotonic(), r)
 
     async def _on_bye(self, msg) -> None:
@@ -28,7 +33,8 @@ class WorkerRegistry:
             r = LoadReport.decode(msg.data)
         except ProtocolError:
             return
-        self._workers.pop((r.role, r.worker_id), None)
+        if r.scope == self.scope:
+            self._workers.pop((r.role, r.worker_id), None)
 
     def alive(self, role: str | None = None, model: str | None = None) -> list[LoadReport]:
         now = time.monotonic()

@@ -31,6 +31,7 @@ from pdserve.kvtransfer.protocol import (
 )
 from pdserve.natsserver import NatsCredentials
 from pdserve.sampling import SamplingParams
+from pdserve.workerbase import deployment_scope
 
 log = logging.getLogger("pdserve.front")
 
@@ -64,7 +65,8 @@ class Front:
         self.max_context = int(cfg.get("max_position_embeddings", 2048))
         self.creds = NatsCredentials.from_env(args.nats_url)
         self.api_key = os.environ.get("PDSERVE_API_KEY") or None
-        self.registry = WorkerRegistry()
+        self.scope = deployment_scope()
+        self.registry = WorkerRegistry(self.scope)
         self.nc: nats.NATS | None = None
         self.inflight: PyCounter[str] = PyCounter()  # decode worker id -> requests this front sent it
         self.created = int(time.time())
@@ -321,7 +323,7 @@ class Generation:
         finished = False
         try:
             try:
-                msg = await f.nc.request(Subjects.prefill(f.model_name), preq.encode(), timeout=a.dispatch_timeout)
+                msg = await f.nc.request(Subjects.prefill(f.scope, f.model_name), preq.encode(), timeout=a.dispatch_timeout)
                 ack = Ack.decode(msg.data)
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
                 raise RequestFailed(503, f"no prefill worker accepted the request within {a.dispatch_timeout:.0f} s",
@@ -401,7 +403,7 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="pdserve front")
     p.add_argument("--model", default="default")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", default=os.environ.get("PDSERVE_MODEL_NAME"))
     p.add_argument("--nats-url", default=None)
     # In a pod (POD_IP from the downward API) listen on all interfaces; locally, loopback only.
     p.add_argument("--host", default="0.0.0.0" if os.environ.get("POD_IP") else "127.0.0.1")
@@ -409,7 +411,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dispatch-timeout", type=float, default=5.0, help="seconds for a prefill worker to accept")
     p.add_argument("--first-token-timeout", type=float, default=300.0, help="seconds of silence allowed before the first token")
     p.add_argument("--token-timeout", type=float, default=60.0, help="seconds of silence allowed between tokens")
-    p.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"])
+    p.add_argument("--kv-failure-policy", default=os.environ.get("PDSERVE_KV_FAILURE_POLICY", "recompute"),
+                   choices=["recompute", "fail"], help="when a request's KV is lost in transit: recompute it on decode, or fail")
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
     args = p.parse_args(argv)
     setup_logging(args.log_level)

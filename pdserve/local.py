@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -36,13 +37,15 @@ class LocalCluster:
         self.worker_args = worker_args or {}
         self.extra_env = env or {}
         self.procs: dict[str, subprocess.Popen] = {}
+        # its own deployment scope, so clusters sharing a NATS server never serve each other's requests
+        self.scope = f"local-{secrets.token_hex(4)}"
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def _env(self) -> dict[str, str]:
-        env = {**os.environ, **self.creds.env(), **self.extra_env}
+        env = {**os.environ, **self.creds.env(), "PDSERVE_SCOPE": self.scope, **self.extra_env}
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
 

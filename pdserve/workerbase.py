@@ -27,14 +27,29 @@ log = logging.getLogger("pdserve.worker")
 HEARTBEAT_INTERVAL_S = 1.0
 
 
+def deployment_scope() -> str:
+    """Which deployment this process belongs to: $PDSERVE_SCOPE, else the InferenceService
+    ("namespace.name", from the pod's env), else "default". Requests never cross scopes."""
+    if os.environ.get("PDSERVE_SCOPE"):
+        return os.environ["PDSERVE_SCOPE"]
+    if os.environ.get("PDSERVE_ISVC"):
+        return f"{os.environ.get('POD_NAMESPACE', 'default')}.{os.environ['PDSERVE_ISVC']}"
+    return "default"
+
+
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="checkpoint folder, or 'default' (SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None, help="name clients use (default: the folder's name)")
+    env = os.environ.get
+    # Defaults from the environment the operator sets on pods (PDSERVE_*), flags win.
+    p.add_argument("--served-model-name", default=env("PDSERVE_MODEL_NAME"),
+                   help="name clients use (default: $PDSERVE_MODEL_NAME, else the folder's name)")
     p.add_argument("--nats-url", default=None, help="default: $PDSERVE_NATS_URL; credentials from $PDSERVE_NATS_USER/_PASSWORD")
     p.add_argument("--worker-id", default=None, help="default: $POD_NAME or host-pid")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16, help="KV tokens per block")
+    p.add_argument("--dtype", default=env("PDSERVE_KV_DTYPE", "float32"), choices=["float32", "bfloat16", "float16"],
+                   help="model and KV dtype (default: $PDSERVE_KV_DTYPE or float32)")
+    p.add_argument("--block-size", type=int, default=int(env("PDSERVE_KV_BLOCK_SIZE", "16")),
+                   help="KV tokens per block (default: $PDSERVE_KV_BLOCK_SIZE or 16)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0 = off)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the compute thread")
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
@@ -60,6 +75,7 @@ class WorkerBase:
         self.worker_id = args.worker_id or os.environ.get("POD_NAME") or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         # A restarted worker with the same id gets a newer generation; handoffs fence on it.
         self.generation = int(time.time() * 1000)
+        self.scope = deployment_scope()
         dtype = getattr(torch, args.dtype)
         self.runner = ModelRunner(resolve_model(args.model), dtype=dtype, device=args.device,
                                   block_size=args.block_size, served_name=args.served_model_name)
@@ -94,7 +110,7 @@ class WorkerBase:
             model_fingerprint=self.runner.layout.model_fingerprint, generation=self.generation,
             isvc=os.environ.get("PDSERVE_ISVC"), pool=os.environ.get("PDSERVE_POOL"),
             pod=os.environ.get("POD_NAME"), namespace=os.environ.get("POD_NAMESPACE"),
-            data_addr=self.data_addr(), **self.load_fields(),
+            data_addr=self.data_addr(), scope=self.scope, **self.load_fields(),
         )
 
     def data_addr(self) -> str | None:

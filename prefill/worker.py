@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 
@@ -67,7 +68,7 @@ class PrefillWorker(WorkerBase):
                     transfer_backlog_bytes=self.transfer_backlog_bytes)
 
     async def on_start(self) -> None:
-        await self.nc.subscribe(Subjects.prefill(self.model_name), queue=PREFILL_QUEUE_GROUP, cb=self._on_request)
+        await self.nc.subscribe(Subjects.prefill(self.scope, self.model_name), queue=PREFILL_QUEUE_GROUP, cb=self._on_request)
         await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
 
     async def _on_cancel(self, msg) -> None:
@@ -138,7 +139,7 @@ class PrefillWorker(WorkerBase):
         t0 = time.monotonic()
         try:
             try:
-                raw = await self.nc.request(Subjects.decode_handoff(req.decode_worker_id), offer.encode(),
+                raw = await self.nc.request(Subjects.decode_handoff(self.scope, req.decode_worker_id), offer.encode(),
                                             timeout=self.offer_timeout)
                 reply = HandoffReply.decode(raw.data)
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
@@ -171,7 +172,7 @@ class PrefillWorker(WorkerBase):
 
 def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offer-timeout", type=float, default=5.0, help="seconds to wait for decode to accept a handoff")
-    p.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds without progress before a KV send fails")
+    p.add_argument("--transfer-timeout", type=float, default=float(os.environ.get("PDSERVE_KV_TIMEOUT_SECONDS", "30")), help="seconds without progress before a KV send fails")
     p.add_argument("--data-port", type=int, default=0, help="unused by prefill today (it connects out); kept for symmetry")
 
 

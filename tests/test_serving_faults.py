@@ -60,11 +60,11 @@ def greedy_ids(cluster, prompt, n):
     return out["choices"][0]["token_ids"]
 
 
-async def _offer(creds, offer: HandoffOffer, collect_until_done: bool = True, timeout: float = 60):
+async def _offer(cluster, offer: HandoffOffer, collect_until_done: bool = True, timeout: float = 60):
     """Play a prefill worker that offers KV and then never sends it (it 'died' after the offer)."""
-    async with await nats.connect(**creds.connect_kwargs()) as nc:
+    async with await nats.connect(**cluster.creds.connect_kwargs()) as nc:
         sub = await nc.subscribe(Subjects.stream(offer.request_id))
-        reply = HandoffReply.decode((await nc.request(Subjects.decode_handoff("decode-0"), offer.encode(),
+        reply = HandoffReply.decode((await nc.request(Subjects.decode_handoff(cluster.scope, "decode-0"), offer.encode(),
                                                       timeout=5)).data)
         events = []
         if reply.accepted and collect_until_done:
@@ -98,7 +98,7 @@ def test_lost_kv_is_recomputed_under_the_recompute_policy(cluster, nats_server, 
     expected = greedy_ids(cluster, prompt, 8)
     ids = tok.encode(prompt, add_special_tokens=False)
     offer = _make_offer(_layout(model_dir), ids, expected[0], "recompute", "lost-kv-recompute")
-    reply, events = asyncio.run(_offer(nats_server.creds, offer))
+    reply, events = asyncio.run(_offer(cluster, offer))
     assert reply.accepted
     kinds = [e.kind for e in events]
     assert kinds[0] == "handoff" and kinds[-1] == "done", kinds
@@ -111,7 +111,7 @@ def test_lost_kv_fails_the_request_under_the_fail_policy(cluster, nats_server, m
     ids = tok.encode("Hello", add_special_tokens=False)
     offer = _make_offer(_layout(model_dir), ids, 42, "fail", "lost-kv-fail")
     t0 = time.monotonic()
-    reply, events = asyncio.run(_offer(nats_server.creds, offer))
+    reply, events = asyncio.run(_offer(cluster, offer))
     assert reply.accepted
     assert [e.kind for e in events] == ["error"]
     assert "did not arrive within 2.0 s" in events[0].error and events[0].status == 502
@@ -121,7 +121,7 @@ def test_lost_kv_fails_the_request_under_the_fail_policy(cluster, nats_server, m
 def test_handoff_for_another_model_is_refused(cluster, nats_server, model_dir, tok):
     ids = tok.encode("Hello", add_special_tokens=False)
     wrong = _layout(model_dir).model_copy(update={"model_fingerprint": "0123456789abcdef", "dtype": "bfloat16"})
-    reply, events = asyncio.run(_offer(nats_server.creds, _make_offer(wrong, ids, 1, "fail", "wrong-model")))
+    reply, events = asyncio.run(_offer(cluster, _make_offer(wrong, ids, 1, "fail", "wrong-model")))
     assert not reply.accepted and events == []
     assert "model_fingerprint: expected" in reply.error and "dtype: expected 'float32', got 'bfloat16'" in reply.error
 
@@ -129,7 +129,8 @@ def test_handoff_for_another_model_is_refused(cluster, nats_server, model_dir, t
 def test_malformed_offer_is_refused(cluster, nats_server):
     async def go():
         async with await nats.connect(**nats_server.creds.connect_kwargs()) as nc:
-            return HandoffReply.decode((await nc.request(Subjects.decode_handoff("decode-0"), b'{"v": 1, "x": 2}',
+            return HandoffReply.decode((await nc.request(Subjects.decode_handoff(cluster.scope, "decode-0"),
+                                                         b'{"v": 1, "x": 2}',
                                                          timeout=5)).data)
     reply = asyncio.run(go())
     assert not reply.accepted and "malformed HandoffOffer" in reply.error
