@@ -109,3 +109,61 @@ class ModelRunner:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+class DenseEngine:
+    """The engine interface of `pdserve.engine.PagedRunner` over a `ModelRunner`: one dense
+    `DynamicCache` per sequence, one forward per sequence per step.
+
+    For models the paged engine does not implement (it runs Llama-family checkpoints); the
+    decode loop drives either through the same calls.
+    """
+
+    def __init__(self, runner: ModelRunner, capacity_bytes: int):
+        self.runner = runner
+        self.layout = runner.layout
+        self.capacity_bytes = capacity_bytes
+        self._caches: dict[object, DynamicCache] = {}
+        self._reserved: dict[object, int] = {}
+
+    def _token_bytes(self) -> int:
+        return self.layout.block_bytes * self.layout.num_layers // self.layout.block_size
+
+    def utilization(self) -> float:
+        return min(1.0, sum(self._reserved.values()) / self.capacity_bytes)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return sum(self._reserved.values()) + num_tokens * self._token_bytes() <= self.capacity_bytes
+
+    def import_kv(self, seq_id, kv: KVBlocks, token_ids: list[int] | None = None) -> None:
+        self._caches[seq_id] = self.runner.blocks_to_cache(kv)
+        self._reserved[seq_id] = kv.num_tokens * self._token_bytes()
+
+    def prefill(self, seq_id, token_ids: list[int]) -> torch.Tensor:
+        logits, self._caches[seq_id] = self.runner.prefill(token_ids)
+        self._reserved[seq_id] = len(token_ids) * self._token_bytes()
+        return logits
+
+    def step(self, batch: list[tuple[object, list[int]]], *, last_only: bool | list[bool] = False) -> list[torch.Tensor]:
+        flags = last_only if isinstance(last_only, list) else [last_only] * len(batch)
+        out = []
+        for (seq_id, ids), last in zip(batch, flags):
+            out.append(self.runner.forward(ids, self._caches[seq_id], last_only=last))
+            self._reserved[seq_id] = self._caches[seq_id].get_seq_length() * self._token_bytes()
+        return out
+
+    def num_tokens(self, seq_id) -> int:
+        return self._caches[seq_id].get_seq_length()
+
+    def rollback(self, seq_id, num_tokens: int) -> None:
+        cache = self._caches[seq_id]
+        remove = cache.get_seq_length() - num_tokens
+        if remove:
+            cache.crop(-remove)  # negative form: the one transformers 5.17 and 5.24 both take
+
+    def free(self, seq_id) -> None:
+        self._caches.pop(seq_id, None)
+        self._reserved.pop(seq_id, None)
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._caches

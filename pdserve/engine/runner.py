@@ -69,6 +69,14 @@ class PagedRunner:
     def num_tokens(self, seq_id) -> int:
         return self.pool.num_tokens(seq_id)
 
+    def utilization(self) -> float:
+        """Share of the pool's blocks in use (0-1)."""
+        return self.pool.utilization()
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` (plus its next token) fits in the free blocks now."""
+        return self.pool.num_free >= self.layout.num_blocks(num_tokens + 1)
+
     def start(self, seq_id, token_ids: list[int], *, reuse_prefix: bool = True) -> int:
         """Open a sequence for `token_ids`, reusing the longest cached prefix of whole blocks (unless not `reuse_prefix`).
 
