@@ -340,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwire bytes, int8 (payload + one float32 scale per token/head of {LAYOUT.head_dim}): "
               f"{b['int8_vs_bf16']:.2f}x fewer than bf16 (payload alone 2x), {b['int8_vs_fp32']:.2f}x fewer than "
               f"fp32 (payload alone 4x)")
-        print(f"\nlayer streaming: {args.stream_mib} MiB over {LAYOUT.num_layers} layers, "
-              f"{args.stream_delay_ms:.0f} ms simulated compute per layer")
+        if sizes:
+            print(f"\nlayer streaming: {args.stream_mib} MiB over {LAYOUT.num_layers} layers, "
+                  f"{args.stream_delay_ms:.0f} ms simulated compute per layer")
         st = run_streaming(loop, bench, args.stream_mib, args.stream_delay_ms / 1000) if sizes else {}
         report["streaming"] = st
         for t in ("tcp", "shm") if st else ():
