@@ -33,6 +33,7 @@ from pdserve.kvtransfer.layout import LayoutMismatch
 from pdserve.kvtransfer.protocol import (
     Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
 )
+from pdserve.kvtransfer.channel import KVReceiveChannel
 from pdserve.kvtransfer.tcp import KVReceiver, TransferError
 from pdserve.sampling import TextStream, sample_next, verification_randomness
 from pdserve.workerbase import WorkerBase, run_worker
@@ -164,6 +165,8 @@ class DecodeWorker(WorkerBase):
 
     async def on_start(self) -> None:
         await self.receiver.start()
+        self.kv_channel = KVReceiveChannel(self.receiver, self.nc, worker_id=self.worker_id,
+                                           stall_timeout=self.transfer_timeout)
         await self.nc.subscribe(Subjects.decode_handoff(self.scope, self.worker_id), cb=self._on_offer)
         await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
         self.spawn(self._decode_loop())
@@ -196,15 +199,14 @@ class DecodeWorker(WorkerBase):
                                      f"(utilisation {self.engine.utilization():.0%})").encode())
             return
         try:
-            token = self.receiver.expect(offer.request_id, offer.sender_id, offer.sender_generation,
-                                         offer.layout, offer.num_tokens)
-        except LayoutMismatch as e:
+            reply = await self.kv_channel.expect(offer)  # picks the transport and compression
+        except (LayoutMismatch, TransferError) as e:
             await msg.respond(refuse(str(e)).encode())
             return
+        token = reply.transfer_token
         self.receiving += 1
         self.receiving_tokens += offer.num_tokens
-        await msg.respond(HandoffReply(accepted=True, worker_id=self.worker_id, transfer_token=token,
-                                       data_addr=self.receiver.address).encode())
+        await msg.respond(reply.encode())
         self.m_handoffs.labels("accepted").inc()
         self.spawn(self._receive(offer, token, need, time.monotonic()))
 
@@ -216,7 +218,7 @@ class DecodeWorker(WorkerBase):
                        max_k=self._request_max_k(offer))
         try:
             try:
-                kv, stats = await self.receiver.wait(token, self.transfer_timeout)
+                kv, stats = await self.kv_channel.wait(token, self.transfer_timeout)
                 await self.compute(self.engine.import_kv, rid, kv, offer.prompt_token_ids)
                 del kv
                 self.m_kv_bytes.inc(stats["bytes"])

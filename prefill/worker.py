@@ -22,7 +22,8 @@ from pdserve.kvtransfer.protocol import (
     PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, ProtocolError, StreamEvent,
     Subjects, Usage,
 )
-from pdserve.kvtransfer.tcp import TransferError, TransferHeader, send_kv
+from pdserve.kvtransfer.channel import KVSendChannel
+from pdserve.kvtransfer.tcp import TransferError
 from pdserve.sampling import TextStream, sample_next
 from pdserve.workerbase import WorkerBase, run_worker
 
@@ -68,6 +69,10 @@ class PrefillWorker(WorkerBase):
                     transfer_backlog_bytes=self.transfer_backlog_bytes)
 
     async def on_start(self) -> None:
+        # transports in preference order (shm only when decode reports the same host), negotiated per handoff
+        self.kv_channel = KVSendChannel(self.nc, sender_id=self.worker_id, generation=self.generation,
+                                        transports=self.args.kv_transports.split(","),
+                                        compression=self.args.kv_compression, timeout=self.transfer_timeout)
         await self.nc.subscribe(Subjects.prefill(self.scope, self.model_name), queue=PREFILL_QUEUE_GROUP, cb=self._on_request)
         await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
 
@@ -132,7 +137,7 @@ class PrefillWorker(WorkerBase):
             request_id=req.request_id, sender_id=self.worker_id, sender_generation=self.generation,
             layout=kv.layout, num_tokens=kv.num_tokens, kv_bytes=kv.nbytes, prompt_token_ids=req.prompt_token_ids,
             generated_token_ids=generated, sampling=req.sampling, seed=req.seed, next_seq=1,
-            failure_policy=req.failure_policy, spec=req.spec,
+            failure_policy=req.failure_policy, spec=req.spec, **self.kv_channel.offer_fields(),
         )
         self.transfer_backlog += 1
         self.transfer_backlog_bytes += kv.nbytes
@@ -151,13 +156,9 @@ class PrefillWorker(WorkerBase):
                 await self._fail(req, 1, f"decode worker {reply.worker_id} refused the handoff: {reply.error}",
                                  status=503, error_type="unavailable")
                 return
-            header = TransferHeader(
-                transfer_token=reply.transfer_token, request_id=req.request_id, sender_id=self.worker_id,
-                sender_generation=self.generation, layout=kv.layout, num_tokens=kv.num_tokens,
-                num_chunks=len(kv.layers), total_bytes=kv.nbytes,
-            )
+            header = self.kv_channel.header(reply, req.request_id, kv.layout, kv.num_tokens)
             try:
-                await send_kv(reply.data_addr, header, kv, timeout=self.transfer_timeout)
+                await self.kv_channel.send(reply, header, kv)
             except TransferError as e:
                 # decode owns the request now and applies its failure policy (recompute or fail)
                 log.warning("KV send for %s to %s failed: %s", req.request_id, reply.worker_id, e)
@@ -173,6 +174,10 @@ class PrefillWorker(WorkerBase):
 def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offer-timeout", type=float, default=5.0, help="seconds to wait for decode to accept a handoff")
     p.add_argument("--transfer-timeout", type=float, default=float(os.environ.get("PDSERVE_KV_TIMEOUT_SECONDS", "30")), help="seconds without progress before a KV send fails")
+    p.add_argument("--kv-transports", default=os.environ.get("PDSERVE_KV_TRANSPORT", "shm,tcp,nats"),
+                   help="KV transports in preference order (shm,tcp,nats,objstore); decode picks the first it can use")
+    p.add_argument("--kv-compression", default=os.environ.get("PDSERVE_KV_COMPRESSION", "none"),
+                   choices=["none", "int8", "fp8"], help="KV compression on the wire (off by default)")
     p.add_argument("--data-port", type=int, default=0, help="unused by prefill today (it connects out); kept for symmetry")
 
 
