@@ -543,7 +543,9 @@ def test_objstore_objects_expire_by_ttl(nats_server):
         while time.monotonic() < deadline and not gone:
             await asyncio.sleep(0.25)
             try:
-                await store.get("kv-orphan")
+                # bounded: nats-py can wait forever on an object whose chunks have expired — that
+                # object is gone too (the channel's own fetch is bounded the same way)
+                await asyncio.wait_for(store.get("kv-orphan"), 2.0)
             except Exception:
                 gone = True
         await nc.jetstream().delete_object_store("pdserve-kv-ttl-test")
