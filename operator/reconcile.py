@@ -181,7 +181,9 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
     if pool in POOLS:
         ports = [{"name": "data", "containerPort": spec[pool]["dataPort"]},
                  {"name": "metrics", "containerPort": METRICS_PORT}]
-        probe = {"tcpSocket": {"port": "data"}, "periodSeconds": 5}
+        # /metrics answers once the model is loaded and NATS is connected (prefill dials out and has
+        # no listening data port, so a TCP probe on it would never pass)
+        probe = {"httpGet": {"path": "/metrics", "port": "metrics"}, "periodSeconds": 5}
         gpus = pool_spec["gpus"]
     else:
         ports = [{"name": "http", "containerPort": spec["serving"]["port"]}]

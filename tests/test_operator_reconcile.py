@@ -260,3 +260,14 @@ def test_operator_main_maps_flags_to_env_and_runs_kopf(monkeypatch):
     assert os.environ["PDSERVE_IMAGE"] == "x/y:1" and os.environ["PDSERVE_NATS_URL"] == "nats://n:4222"
     assert os.environ["PDSERVE_WEBHOOK_PORT"] == "9555"
     assert calls["namespaces"] == ["ml"] and calls["clusterwide"] is False and calls["standalone"] is True
+
+
+
+def test_worker_readiness_probes_the_metrics_endpoint():
+    """Prefill dials decode and listens on no data port; both pools serve /metrics once the model
+    is loaded and NATS is connected, so that is what readiness waits for."""
+    children = by_kind_name(desired_children(isvc(), CFG))
+    for name in ("llama-prefill", "llama-decode"):
+        container = children[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        assert container["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+        assert {"name": "metrics", "containerPort": 9100} in container["ports"]
