@@ -35,7 +35,7 @@ from pdserve.kvtransfer.protocol import (
 )
 from pdserve.kvtransfer.channel import KVReceiveChannel
 from pdserve.kvtransfer.tcp import KVReceiver, TransferError
-from pdserve.sampling import TextStream, sample_next, verification_randomness
+from pdserve.sampling import TextStream, verification_randomness
 from pdserve.workerbase import WorkerBase, run_worker
 
 log = logging.getLogger("pdserve.decode")
@@ -51,7 +51,6 @@ class Sequence:
     seq: int  # next StreamEvent sequence number
     generated: list[int] = field(default_factory=list)
     last_token_at: float = field(default_factory=time.monotonic)
-    kv_bytes: int = 0
     max_k: int = 0  # this request's speculation bound (0 = off)
     span: SpanTracker = field(default_factory=SpanTracker)
     draft_tokens: int = 0
@@ -190,7 +189,6 @@ class DecodeWorker(WorkerBase):
         except ProtocolError as e:
             await msg.respond(refuse(str(e)).encode())
             return
-        need = offer.kv_bytes
         if len(self.running) + self.receiving >= self.max_running:
             await msg.respond(refuse(f"at capacity ({self.max_running} sequences)").encode())
             return
@@ -208,13 +206,13 @@ class DecodeWorker(WorkerBase):
         self.receiving_tokens += offer.num_tokens
         await msg.respond(reply.encode())
         self.m_handoffs.labels("accepted").inc()
-        self.spawn(self._receive(offer, token, need, time.monotonic()))
+        self.spawn(self._receive(offer, token, time.monotonic()))
 
-    async def _receive(self, offer: HandoffOffer, token: str, reserved: int, accepted_at: float) -> None:
+    async def _receive(self, offer: HandoffOffer, token: str, accepted_at: float) -> None:
         rid = offer.request_id
         stream = TextStream(self.runner.tokenizer, offer.sampling, self.runner.eos_token_ids,
                             generated=offer.generated_token_ids)
-        seq = Sequence(offer, stream, offer.next_seq, list(offer.generated_token_ids), kv_bytes=reserved,
+        seq = Sequence(offer, stream, offer.next_seq, list(offer.generated_token_ids),
                        max_k=self._request_max_k(offer))
         try:
             try:

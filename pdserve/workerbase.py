@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
 
 import nats
 from prometheus_client import CollectorRegistry, start_http_server
