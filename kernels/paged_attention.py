@@ -95,16 +95,22 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_tabl
         if n == 0:
             continue
         blocks = block_tables[i, : -(-length // block_size)].to(device=kv_pool.device, dtype=torch.int64)
-        # [nb, 2, kvh, bs, D] -> [2, kvh, nb*bs, D], cut to the sequence's tokens
-        kv = kv_pool[blocks].permute(1, 2, 0, 3, 4).reshape(2, kv_heads, -1, head_dim)[:, :, :length].float()
-        k = kv[0].repeat_interleave(group, dim=0)  # [q_heads, L, D]
-        v = kv[1].repeat_interleave(group, dim=0)
-        qs = q[q0:q1].float().transpose(0, 1)  # [q_heads, n, D]
-        scores = torch.matmul(qs, k.transpose(1, 2)) * scale  # [q_heads, n, L]
-        q_pos = torch.arange(length - n, length, device=q.device)[:, None]
-        k_pos = torch.arange(length, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        out[q0:q1] = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(0, 1).to(q.dtype)
+        # [nb, 2, kvh, bs, D] -> K, V each [kvh, L, D]: one gather, then views of the sequence's tokens
+        kv = kv_pool[blocks].float()
+        # [kvh, nb*bs, D] views need a copy from the block layout; take only the sequence's tokens
+        k = kv[:, 0].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
+        v = kv[:, 1].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
+        # GQA without copying K/V per query head: the `group` query heads of a KV head become rows of
+        # one matmul. Query head h = kvh * group + g reads KV head kvh (as repeat_interleave would).
+        qs = q[q0:q1].float().view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, head_dim)
+        scores = torch.matmul(qs, k.transpose(1, 2)).mul_(scale).view(kv_heads, group, n, length)
+        if n > 1:  # causal among the new tokens; a single query sees the whole sequence
+            q_pos = torch.arange(length - n, length, device=q.device)[:, None]
+            k_pos = torch.arange(length, device=q.device)[None, :]
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(kv_heads, group * n, length)
+        o = torch.matmul(probs, v).view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)  # [n, kvh, group, D]
+        out[q0:q1] = o.reshape(n, q_heads, head_dim).to(q.dtype)
     return out
 
 
