@@ -18,6 +18,7 @@ import nats
 import pytest
 import torch
 
+from kvhelpers import random_kv
 from pdserve.kvtransfer.channel import KVReceiveChannel, KVSendChannel
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
 from pdserve.kvtransfer.natsdata import DEFAULT_BUCKET, _msg
@@ -34,13 +35,7 @@ STREAMING = ["tcp", "shm", "nats"]
 
 
 def make_kv(num_tokens: int = 37, layout: KVLayout = LAYOUT, seed: int = 0) -> KVBlocks:
-    g = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(layout.num_layers):
-        k = torch.randn(layout.kv_heads, num_tokens, layout.head_dim, generator=g).to(layout.torch_dtype)
-        v = torch.randn(layout.kv_heads, num_tokens, layout.head_dim, generator=g).to(layout.torch_dtype)
-        layers.append(KVBlocks.layer_from_dense(k, v, layout.block_size))
-    return KVBlocks(layout, num_tokens, layers)
+    return random_kv(layout, num_tokens, seed)
 
 
 def make_offer(kv: KVBlocks, send: KVSendChannel, **over) -> HandoffOffer:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
-import zlib
 
 import pytest
 import torch
 
+from kvhelpers import random_kv
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
 from pdserve.kvtransfer.tcp import (
     CHUNK, END, HELLO, KVReceiver, TransferError, TransferHeader, _frame, _read_frame, send_kv,
@@ -21,13 +20,7 @@ LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=3, kv_heads=2, head_dim=8
 
 
 def make_kv(num_tokens: int = 10, layout: KVLayout = LAYOUT) -> KVBlocks:
-    g = torch.Generator().manual_seed(num_tokens)
-    layers = []
-    for _ in range(layout.num_layers):
-        k = torch.randn(layout.kv_heads, num_tokens, layout.head_dim, generator=g).to(layout.torch_dtype)
-        v = torch.randn(layout.kv_heads, num_tokens, layout.head_dim, generator=g).to(layout.torch_dtype)
-        layers.append(KVBlocks.layer_from_dense(k, v, layout.block_size))
-    return KVBlocks(layout, num_tokens, layers)
+    return random_kv(layout, num_tokens, seed=num_tokens)
 
 
 def header(token: str, kv: KVBlocks, **over) -> TransferHeader:
