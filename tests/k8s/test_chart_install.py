@@ -9,11 +9,10 @@ from __future__ import annotations
 import base64
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from kubernetes import client
+from k8swait import wait_for
 
 from pdserve.operator.kube import Kube
 
@@ -21,20 +20,6 @@ pytestmark = pytest.mark.k8s
 
 REPO = Path(__file__).resolve().parents[2]
 API = "pdserve.io/v1alpha1"
-
-
-def wait_for(fn, what: str, timeout: float = 90):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-            if last:
-                return last
-        except client.ApiException as e:
-            last = e
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 def test_helm_install_upgrade_and_operator_under_chart_rbac(k8s_cluster, k8s_api_client, k8s_tool, tmp_path):

@@ -13,11 +13,11 @@ import ipaddress
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import yaml
+from k8swait import wait_for
 from kubernetes import client
 
 from pdserve.operator.kube import Kube
@@ -26,21 +26,6 @@ pytestmark = pytest.mark.k8s
 
 REPO = Path(__file__).resolve().parents[2]
 API = "pdserve.io/v1alpha1"
-WAIT_S = 90  # an upper bound on waiting for controllers, never asserted as a duration
-
-
-def wait_for(fn, what: str, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-            if last:
-                return last
-        except client.ApiException as e:
-            last = e
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 @pytest.fixture(scope="module")
