@@ -85,15 +85,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--engine", default="auto", choices=["auto", "paged", "dense"], help="decode engine (pdserve decode --engine)")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     model_dir = resolve_model(a.model)
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = _prompts(tok)
-    print(f"pdserve bench: {model_dir.name}, {a.tokens} tokens/request, median of {a.repeats}, torch threads 1",
+    print(f"pdserve bench: {model_dir.name}, {a.tokens} tokens/request, median of {a.repeats}, torch threads 1, "
+          f"decode engine {a.engine}",
           flush=True)
-    with LocalCluster(str(model_dir), worker_args={"decode": ["--spec-method", "none"]}) as cluster:
+    with LocalCluster(str(model_dir), worker_args={"decode": ["--spec-method", "none", "--engine", a.engine]}) as cluster:
         ours = {k: _pdserve(cluster.url, model_dir.name, ids, a.tokens, a.repeats) for k, ids in prompts.items()}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     base = {k: _hf(model, ids, a.tokens, a.repeats) for k, ids in prompts.items()}
