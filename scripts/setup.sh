@@ -11,9 +11,10 @@ mkdir -p "$stamp_dir"
 want=$(sha256sum pyproject.toml | cut -c1-16)
 # (and when pdserve imports from another checkout: an editable install points at one folder)
 here=$(pwd -P)
-if [ "$(cat "$stamp_dir/pip-stamp" 2>/dev/null)" != "$want" ] || ! $PY -c "
-import pathlib, sys, pdserve.front
-sys.exit(pathlib.Path(pdserve.__file__).resolve().parents[1] != pathlib.Path('$here'))" 2>/dev/null; then
+# Checked from / so the current directory's pdserve/ folder cannot answer for the installed one.
+if [ "$(cat "$stamp_dir/pip-stamp" 2>/dev/null)" != "$want" ] || ! (cd / && $PY -c "
+import pathlib, sys, pdserve.front as f
+sys.exit(pathlib.Path(f.__file__).resolve().parents[1] != pathlib.Path('$here'))" 2>/dev/null); then
   echo "setup: installing Python dependencies (torch CPU wheel pinned) ..." >&2
   # torch/triton pinned: an unpinned torch pulls a multi-GB CUDA build.
   $PY -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" -e ".[dev]"
