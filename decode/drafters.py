@@ -25,6 +25,8 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from pdserve.runtime import crop_cache  # one definition; re-exported for drafters' callers
+
 __all__ = [
     "Draft",
     "Drafter",
@@ -406,20 +408,6 @@ def process_logits(logits: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor
         torch.full((n,), float(sampling.top_p), dtype=torch.float32),
     )
     return probs.reshape(logits.shape)
-
-
-def crop_cache(cache: Any, length: int) -> None:
-    """Crop a transformers ``DynamicCache`` to its first ``length`` positions.
-
-    Uses the negative ("remove this many") form, which transformers 5.24 requires (it refuses
-    a positive length) and older versions also take; never calls ``crop(0)``, which older
-    versions read as "crop to length 0".
-    """
-    remove = cache.get_seq_length() - length
-    if remove < 0:
-        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
-    if remove:
-        cache.crop(-remove)
 
 
 @dataclass

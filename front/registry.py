@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects
 
@@ -50,12 +51,18 @@ class WorkerRegistry:
         entry = self._workers.get((role, worker_id))
         return entry is not None and time.monotonic() - entry[0] <= entry[1].stale_after_s
 
-    def pick_decode(self, model: str) -> LoadReport | None:
-        """The decode worker with the most free room: fewest sequences, then lowest KV utilisation."""
+    def pick_decode(self, model: str, inflight: Mapping[str, int] | None = None) -> LoadReport | None:
+        """The decode worker with the most free room: fewest sequences, then lowest KV utilisation.
+
+        `inflight`: requests the caller already sent each worker, which the 1 Hz load reports may
+        not show yet; a worker counts as the larger of the two.
+        """
         candidates = self.alive("decode", model)
         if not candidates:
             return None
-        return min(candidates, key=lambda r: (r.running + r.waiting, r.kv_utilization, r.worker_id))
+        sent = inflight or {}
+        return min(candidates, key=lambda r: (max(sent.get(r.worker_id, 0), r.running + r.waiting),
+                                              r.kv_utilization, r.worker_id))
 
     def models(self) -> set[str]:
         return {r.model for r in self.alive()}

@@ -305,13 +305,10 @@ class Generation:
         """Yield text deltas; raise RequestFailed on any failure."""
         f, a = self.front, self.front.args
         t0 = time.monotonic()
-        decode = f.registry.pick_decode(f.model_name)
+        decode = f.registry.pick_decode(f.model_name, f.inflight)
         if decode is None or not f.registry.alive("prefill", f.model_name):
             raise RequestFailed(503, f"no {'decode' if decode is None else 'prefill'} worker is available for "
                                      f"{f.model_name}; retry later", "unavailable", code="no_worker")
-        # Account for what this front already sent, which the 1 Hz load reports may not show yet.
-        decode = min(f.registry.alive("decode", f.model_name),
-                     key=lambda r: (max(f.inflight[r.worker_id], r.running + r.waiting), r.kv_utilization, r.worker_id))
         spec = self.req.speculation.model_dump(exclude_none=True) if self.req.speculation else None
         preq = PrefillRequest(request_id=self.rid, model=f.model_name, prompt_token_ids=self.prompt_ids,
                               sampling=self.params, seed=self.params.seed if self.params.seed is not None

@@ -22,6 +22,20 @@ log = logging.getLogger("pdserve.runtime")
 DEFAULT_BLOCK_SIZE = 16
 
 
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Crop a transformers ``DynamicCache`` to its first ``length`` positions.
+
+    Uses the negative ("remove this many") form, which transformers 5.24 requires (it refuses
+    a positive length) and older versions also take; never calls ``crop(0)``, which older
+    versions read as "crop to length 0".
+    """
+    remove = cache.get_seq_length() - length
+    if remove < 0:
+        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
+    if remove:
+        cache.crop(-remove)
+
+
 class ModelRunner:
     """One model on one device. Not thread-safe: call it from one compute thread."""
 
@@ -156,10 +170,7 @@ class DenseEngine:
         return self._caches[seq_id].get_seq_length()
 
     def rollback(self, seq_id, num_tokens: int) -> None:
-        cache = self._caches[seq_id]
-        remove = cache.get_seq_length() - num_tokens
-        if remove:
-            cache.crop(-remove)  # negative form: the one transformers 5.17 and 5.24 both take
+        crop_cache(self._caches[seq_id], num_tokens)
 
     def free(self, seq_id) -> None:
         self._caches.pop(seq_id, None)
