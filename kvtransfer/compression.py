@@ -1,8 +1,10 @@
 """What KV compression on the wire costs: bytes saved, and accuracy of the model that continues from it.
 
-The quantiser is `kernels.kv_quant` (int8 / fp8 per (block, K/V, head) with float32 scales); this
-module only runs KV through exactly the path a transfer takes (`layer_wire_pieces` on the sender,
-`Assembly` on the receiver) and measures greedy agreement and perplexity against uncompressed KV.
+The quantiser is `kernels.kv_quant` (int8 / fp8, one float32 scale per (token, K/V, head), see
+`kvtransfer.tcp.to_token_groups`), followed on the wire by a lossless deflate of the quantised bytes;
+this module only runs KV through exactly the path a transfer takes (`layer_wire_pieces` on the sender,
+`Assembly` on the receiver) and measures bytes on the wire, greedy agreement and perplexity against
+uncompressed KV.
 """
 from __future__ import annotations
 
@@ -11,11 +13,15 @@ import math
 import torch
 
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout
-from pdserve.kvtransfer.tcp import SCALES, Assembly, TransferHeader, layer_wire_pieces
+from pdserve.kvtransfer.tcp import Assembly, TransferHeader, layer_wire_pieces
 
 
 def wire_bytes(layout: KVLayout, num_tokens: int, compression: str) -> int:
-    """Bytes a transfer of `num_tokens` puts on the wire (payload + scales; frame headers excluded)."""
+    """Bytes of a transfer of `num_tokens` before the lossless pass (payload + scales; frame headers excluded).
+
+    For int8/fp8 this is an upper bound: the deflate pass depends on the values, so the real count is
+    only known by sending real KV (`wire_round_trip`, `wire_ratios`).
+    """
     if compression == "none":
         return layout.payload_bytes(num_tokens)
     from pdserve.kernels.kv_quant import payload_bytes
@@ -33,10 +39,31 @@ def wire_round_trip(kv: KVBlocks, compression: str) -> tuple[KVBlocks, int]:
     asm = Assembly(kv.layout, header)
     for i, layer in enumerate(kv.layers):
         for kind, li, off, payload in layer_wire_pieces(i, layer, compression):
-            asm.target(kind, li, off, len(payload))[:] = payload
-            asm.commit(kind, li, len(payload))
+            asm.accept(kind, li, off, payload)
     out, stats = asm.finish()
     return out, stats["wire_bytes"]
+
+
+@torch.inference_mode()
+def wire_ratios(runner, texts: list[list[int]], compression: str = "int8",
+                dtypes: tuple[str, ...] = ("bfloat16", "float32")) -> dict[str, float]:
+    """Uncompressed bytes / bytes on the wire with `compression`, on the real KV of `runner`'s model.
+
+    Each text is prefilled; its KV, cast to each of `dtypes`, goes through `wire_round_trip`. Returns
+    {dtype: ratio} over all texts together (the int8 payload is one byte per value whatever the dtype,
+    so the ratio vs fp32 is about twice the ratio vs bf16).
+    """
+    raw = dict.fromkeys(dtypes, 0)
+    wire = dict.fromkeys(dtypes, 0)
+    for ids in texts:
+        _, cache = runner.prefill(ids)
+        kv = runner.cache_to_blocks(cache)
+        for name in dtypes:
+            layout = kv.layout.model_copy(update={"dtype": name})
+            cast = KVBlocks(layout, kv.num_tokens, [t.to(layout.torch_dtype) for t in kv.layers])
+            raw[name] += cast.nbytes
+            wire[name] += wire_round_trip(cast, compression)[1]
+    return {name: raw[name] / wire[name] for name in dtypes}
 
 
 @torch.inference_mode()

@@ -256,8 +256,7 @@ class NatsTransferServer:
             elif kind == END:
                 return self._finish()
             else:
-                self.asm.target(kind, layer, offset, len(payload))[:] = payload
-                self.asm.commit(kind, layer, len(payload))
+                self.asm.accept(kind, layer, offset, payload)
         return {"ok": True}
 
     def _finish(self) -> dict:
@@ -280,6 +279,5 @@ class NatsTransferServer:
                 raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
             if kind == END:
                 return
-            self.asm.target(kind, layer, offset, len(payload))[:] = payload
-            self.asm.commit(kind, layer, len(payload))
+            self.asm.accept(kind, layer, offset, payload)
         raise TransferError("stream truncated: object ends before END")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kvtransfer.compression import VARIED_TEXTS, compression_accuracy, wire_round_trip
+from pdserve.kvtransfer.compression import VARIED_TEXTS, compression_accuracy, wire_ratios, wire_round_trip
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,15 @@ def test_int8_kv_keeps_greedy_tokens_on_99_percent_of_positions(runner):
     assert res["positions"] >= 300
     assert res["agreement"] >= 0.99, res
     assert abs(res["ppl_change"]) < 0.01, res
-    assert res["wire_ratio"] > 3.7  # float32 KV: one byte per value + a scale per 64 values
+    assert res["wire_ratio"] >= 4.0  # float32 KV: one byte per value + a scale per 64 values, then deflate
+
+
+def test_int8_cuts_wire_bytes_2x_vs_bf16_and_4x_vs_fp32_on_real_kv(runner):
+    """The issue's byte targets, measured on the model's own KV (random KV would not deflate the same)."""
+    ratios = wire_ratios(runner, [runner.encode(t) for t in VARIED_TEXTS], "int8")
+    print(ratios)
+    assert ratios["bfloat16"] >= 2.0, ratios
+    assert ratios["float32"] >= 4.0, ratios
 
 
 def test_uncompressed_round_trip_is_exact(runner):

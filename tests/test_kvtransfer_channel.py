@@ -25,7 +25,7 @@ from pdserve.kvtransfer.natsdata import DEFAULT_BUCKET, _msg
 from pdserve.kvtransfer.protocol import HandoffOffer, Subjects, TransferFailed
 from pdserve.kvtransfer.tcp import (
     CHUNK, END, HELLO, SHM_DIR, SHM_PREFIX, KVReceiver, TransferError, TransferHeader, from_token_groups, host_id,
-    shm_path, to_token_groups,
+    layer_wire_pieces, shm_path, to_token_groups,
 )
 from pdserve.sampling import SamplingParams
 
@@ -134,9 +134,11 @@ def test_compression_is_negotiated_and_matches_the_quantiser(nats_server, transp
 
     reply, got, stats = asyncio.run(go())
     assert reply.compression == fmt and stats["compression"] == fmt
-    # float32 → one byte per value plus a float32 scale per (token, K/V, head) of 16 values
+    # float32 → at most one byte per value plus a float32 scale per (token, K/V, head) of 16 values; the
+    # deflate pass takes off what it can (here: the zero padding of the last block)
     nb = kv.layout.num_blocks(kv.num_tokens)
-    assert stats["wire_bytes"] == kv.layout.num_layers * nb * 8 * 2 * 2 * (16 + 4) == kv.nbytes * 20 // 64
+    sent = sum(len(p) for i, layer in enumerate(kv.layers) for _, _, _, p in layer_wire_pieces(i, layer, fmt))
+    assert stats["wire_bytes"] == sent <= kv.layout.num_layers * nb * 8 * 2 * 2 * (16 + 4) == kv.nbytes * 20 // 64
     for layer, out in zip(kv.layers, got.layers):
         groups = to_token_groups(layer)
         ids = torch.arange(groups.shape[0])
@@ -395,8 +397,6 @@ def test_receiver_killed_mid_receive(nats_server, transport):
 
 
 def _nats_frames(kv: KVBlocks, header: TransferHeader) -> list[bytes]:
-    from pdserve.kvtransfer.tcp import layer_wire_pieces
-
     out = [_msg(HELLO, header.model_dump_json().encode())]
     for i, layer in enumerate(kv.layers):
         out += [_msg(k, p, li, off) for k, li, off, p in layer_wire_pieces(i, layer)]

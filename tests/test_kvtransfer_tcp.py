@@ -13,7 +13,8 @@ import torch
 from kvhelpers import random_kv
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
 from pdserve.kvtransfer.tcp import (
-    CHUNK, END, HELLO, KVReceiver, TransferError, TransferHeader, _frame, _read_frame, send_kv,
+    CHUNK, END, HELLO, ZCHUNK, KVReceiver, TransferError, TransferHeader, _frame, _read_frame, layer_wire_pieces,
+    send_kv,
 )
 
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=3, kv_heads=2, head_dim=8, dtype="float32", block_size=4)
@@ -258,3 +259,51 @@ def test_layers_split_into_many_chunks_arrive_intact(compression):
             assert torch.equal(a, b)
         else:
             assert (a.float() - b.float()).abs().max() <= a.float().abs().max() / 100
+
+
+@pytest.mark.parametrize("lie", ["longer", "shorter", "garbage", "uncompressed transfer"])
+def test_deflated_chunk_that_does_not_inflate_to_its_length_is_refused(lie):
+    """A ZCHUNK whose crc is right but whose deflate stream disagrees with its stated length (a bug, or a
+    peer trying to make the receiver inflate more than the layout holds) fails the transfer, never hangs."""
+    kv = KVBlocks(LAYOUT, 10, [torch.zeros_like(t) for t in make_kv().layers])  # zeros: deflate surely pays
+    compression = "none" if lie == "uncompressed transfer" else "int8"
+
+    async def go():
+        rx = await KVReceiver(LAYOUT).start()
+        token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens, compression=compression)
+        frames = [b"".join(_frame(HELLO, header(token, kv, compression=compression).model_dump_json().encode()))]
+        for i, layer in enumerate(kv.layers):
+            for kind, li, off, payload in layer_wire_pieces(i, layer, "int8"):
+                payload = bytes(payload)
+                if kind == ZCHUNK and li == 1:
+                    raw = int.from_bytes(payload[:8], "big")
+                    if lie == "longer":
+                        payload = (raw + 1).to_bytes(8, "big") + payload[8:]
+                    elif lie == "shorter":
+                        payload = (raw - 1).to_bytes(8, "big") + payload[8:]
+                    elif lie == "garbage":
+                        payload = payload[:8] + b"\xff" * (len(payload) - 8)
+                if compression == "none" and kind != ZCHUNK:
+                    continue
+                frames.append(b"".join(bytes(x) for x in _frame(kind, payload, li, off)))
+        frames.append(b"".join(_frame(END, b"{}")))
+        sender = asyncio.create_task(_send_raw(rx.address, frames))
+        # a stated length past the layer is refused before anything is inflated
+        with pytest.raises(TransferError, match="deflated chunk|layout says"):
+            await rx.wait(token, 5)
+        ack = await sender
+        await rx.close()
+        assert not rx._expected
+        return ack
+
+    ack = run(go())
+    assert ack is not None and not ack["ok"] and ("deflated chunk" in ack["error"] or "layout says" in ack["error"])
+
+
+def test_int8_deflates_compressible_chunks_and_sends_the_rest_plain():
+    layer = make_kv().layers[0]
+    noisy = [k for k, *_ in layer_wire_pieces(0, layer, "int8")]
+    quiet = [k for k, *_ in layer_wire_pieces(0, torch.zeros_like(layer), "int8")]
+    assert ZCHUNK in quiet and CHUNK not in quiet
+    assert all(k != ZCHUNK for k in [k for k, *_ in layer_wire_pieces(0, layer, "none")])
+    assert len(noisy) == len(quiet)  # same frames either way: one SCALES, then the chunks
