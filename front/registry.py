@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects
+from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects, announced, prefix_hashes
 
 
 class WorkerRegistry:
@@ -13,6 +13,7 @@ class WorkerRegistry:
     def __init__(self, scope: str = "default"):
         self.scope = scope
         self._workers: dict[tuple[str, str], tuple[float, LoadReport]] = {}
+        self._cached: dict[str, frozenset[str]] = {}  # prefill worker id -> its announced block addresses
         self.malformed = 0
 
     async def attach(self, nc) -> None:
@@ -28,6 +29,8 @@ class WorkerRegistry:
         if r.scope != self.scope:
             return
         self._workers[(r.role, r.worker_id)] = (time.monotonic(), r)
+        if r.role == "prefill":
+            self._cached[r.worker_id] = frozenset(r.cached_blocks)
 
     async def _on_bye(self, msg) -> None:
         try:
@@ -36,6 +39,8 @@ class WorkerRegistry:
             return
         if r.scope == self.scope:
             self._workers.pop((r.role, r.worker_id), None)
+            if r.role == "prefill":
+                self._cached.pop(r.worker_id, None)
 
     def alive(self, role: str | None = None, model: str | None = None) -> list[LoadReport]:
         now = time.monotonic()
@@ -51,18 +56,61 @@ class WorkerRegistry:
         entry = self._workers.get((role, worker_id))
         return entry is not None and time.monotonic() - entry[0] <= entry[1].stale_after_s
 
-    def pick_decode(self, model: str, inflight: Mapping[str, int] | None = None) -> LoadReport | None:
-        """The decode worker with the most free room: fewest sequences, then lowest KV utilisation.
+    def pick_decode(self, model: str, inflight: Mapping[str, int] | None = None,
+                    inflight_bytes: Mapping[str, int] | None = None) -> LoadReport | None:
+        """The decode worker with the most free KV capacity, then the fewest sequences.
 
-        `inflight`: requests the caller already sent each worker, which the 1 Hz load reports may
-        not show yet; a worker counts as the larger of the two.
+        `inflight` / `inflight_bytes`: requests (and their KV bytes, estimated) the caller already
+        sent each worker, which the 1 Hz load reports may not show yet; a worker's load counts as
+        the larger of what it reported and what the caller knows it sent.
         """
         candidates = self.alive("decode", model)
         if not candidates:
             return None
-        sent = inflight or {}
-        return min(candidates, key=lambda r: (max(sent.get(r.worker_id, 0), r.running + r.waiting),
-                                              r.kv_utilization, r.worker_id))
+        sent, sent_bytes = inflight or {}, inflight_bytes or {}
+
+        def key(r: LoadReport):
+            free = r.kv_bytes_capacity - max(r.kv_bytes_used, sent_bytes.get(r.worker_id, 0))
+            return (-free, max(sent.get(r.worker_id, 0), r.running + r.waiting), r.kv_utilization, r.worker_id)
+
+        return min(candidates, key=key)
+
+    def cached_prefix(self, report: LoadReport, prompt_ids: list[int], _chains: dict | None = None) -> int:
+        """How many leading tokens of `prompt_ids` the prefill worker's prefix cache holds (whole blocks)."""
+        cached = self._cached.get(report.worker_id)
+        if not cached or not report.block_size:
+            return 0
+        chains = _chains if _chains is not None else {}
+        if report.block_size not in chains:
+            chains[report.block_size] = [announced(h) for h in prefix_hashes(prompt_ids, report.block_size)]
+        n = 0
+        for h in chains[report.block_size]:
+            if h not in cached:
+                break
+            n += 1
+        return n * report.block_size
+
+    def pick_prefill(self, model: str, prompt_ids: list[int],
+                     inflight_tokens: Mapping[str, int] | None = None) -> tuple[LoadReport | None, int]:
+        """The prefill worker that would compute the prompt soonest: (worker, tokens it has cached).
+
+        Its cost is the prompt tokens it would compute (those past its longest cached prefix) plus
+        the tokens already queued there — reported, or sent by the caller since (`inflight_tokens`),
+        whichever is larger. So a worker holding a long shared prefix wins unless it is that much
+        busier than the others.
+        """
+        candidates = self.alive("prefill", model)
+        if not candidates:
+            return None, 0
+        sent = inflight_tokens or {}
+        chains: dict = {}
+        best, best_key, best_hit = None, None, 0
+        for r in candidates:
+            hit = self.cached_prefix(r, prompt_ids, chains)
+            k = (len(prompt_ids) - hit + max(r.queue_tokens, sent.get(r.worker_id, 0)), r.queue_depth, r.worker_id)
+            if best_key is None or k < best_key:
+                best, best_key, best_hit = r, k, hit
+        return best, best_hit
 
     def models(self) -> set[str]:
         return {r.model for r in self.alive()}

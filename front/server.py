@@ -1,7 +1,11 @@
 """The OpenAI-compatible HTTP front: validate, tokenise, route to prefill/decode over NATS, stream back.
 
-Routing: the decode worker is chosen here (most free room in the registry); prefill is picked
-by NATS's queue group. The front follows each request through its stream of events, always
+Routing (both from the workers' load reports on NATS): the prefill worker whose prefix cache
+holds the longest part of the prompt, balanced against the tokens already queued there, gets
+the request on its own subject (the deployment's queue group takes it if that worker does not
+answer); the decode worker with the most free KV capacity gets the handoff. After a request,
+the front sends the prefill worker that served it a pre-positioning hint: the conversation plus
+the answer, whose KV an idle worker computes ahead so the next turn starts from it. The front follows each request through its stream of events, always
 knowing which worker is responsible for it (prefill until the handoff, decode after), and
 fails the request — with an OpenAI-style error, or an error event on an SSE stream — when that
 worker dies or goes silent past a bound. It never answers 200 with a truncated result.
@@ -27,7 +31,7 @@ from transformers import AutoTokenizer
 
 from pdserve.front.openai_schema import ChatCompletionRequest, CompletionRequest
 from pdserve.kvtransfer.protocol import (
-    Ack, Cancel, PrefillRequest, ProtocolError, StreamEvent, Subjects,
+    Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects,
 )
 from pdserve.natsserver import NatsCredentials
 from pdserve.sampling import SamplingParams
@@ -69,6 +73,10 @@ class Front:
         self.registry = WorkerRegistry(self.scope)
         self.nc: nats.NATS | None = None
         self.inflight: PyCounter[str] = PyCounter()  # decode worker id -> requests this front sent it
+        self.inflight_bytes: PyCounter[str] = PyCounter()  # decode worker id -> their KV bytes (estimated)
+        self.prefill_inflight: PyCounter[str] = PyCounter()  # prefill worker id -> tokens sent, not yet computed
+        self.kv_bytes_per_token = self._kv_bytes_per_token(cfg)
+        self._hint_tasks: set[asyncio.Task] = set()
         self.created = int(time.time())
         r = self.metrics = CollectorRegistry()
         self.m_requests = Counter("pdserve_requests_total", "HTTP requests", ["endpoint", "status"], registry=r)
@@ -84,6 +92,20 @@ class Front:
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
         self.m_prompt_tokens = Counter("pdserve_prompt_tokens_total", "prompt tokens", registry=r)
         self.m_completion_tokens = Counter("pdserve_completion_tokens_total", "generated tokens", registry=r)
+        self.m_hints = Counter("pdserve_preposition_hints_sent_total", "pre-positioning hints sent to prefill",
+                               registry=r)
+
+    @staticmethod
+    def _kv_bytes_per_token(cfg: dict) -> int:
+        """KV bytes one token takes on a decode worker (for routing estimates; the workers' dtype from the env)."""
+        heads = int(cfg.get("num_attention_heads", 1))
+        head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 64)) // heads)
+        itemsize = 2 if os.environ.get("PDSERVE_KV_DTYPE", "float32") in ("bfloat16", "float16") else 4
+        return int(cfg.get("num_hidden_layers", 1)) * 2 * int(cfg.get("num_key_value_heads", heads)) * head_dim * itemsize
+
+    def chat_prompt_ids(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- app -------------------------------------------------------------------------------
 
@@ -133,6 +155,22 @@ class Front:
         ok = bool(self.nc and self.nc.is_connected) and self.registry.alive("prefill", self.model_name) \
             and self.registry.alive("decode", self.model_name)
         return web.json_response({"ready": bool(ok)}, status=200 if ok else 503)
+
+    def spawn_hint(self, gen: "Generation", worker_id: str) -> None:
+        task = asyncio.create_task(self._send_hint(gen, worker_id))
+        self._hint_tasks.add(task)
+        task.add_done_callback(self._hint_tasks.discard)
+
+    async def _send_hint(self, gen: "Generation", worker_id: str) -> None:
+        try:
+            ids = gen.next_turn_ids()
+            if len(ids) >= self.max_context:
+                return
+            hint = PrepositionHint(request_id=gen.rid, model=self.model_name, token_ids=ids)
+            await self.nc.publish(Subjects.preposition(self.scope, worker_id), hint.encode())
+            self.m_hints.inc()
+        except Exception as e:  # a hint is an optimisation: never let it disturb serving
+            log.debug("pre-positioning hint for %s not sent: %s", gen.rid, e)
 
     async def metrics_handler(self, request):
         self.m_queue.set(sum(self.inflight.values()))
@@ -189,9 +227,7 @@ class Front:
         try:
             req = await self._parse(request, ChatCompletionRequest if chat else CompletionRequest)
             if chat:
-                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+                prompt_ids = self.chat_prompt_ids([{"role": m.role, "content": m.text()} for m in req.messages])
             elif isinstance(req.prompt, list):
                 if any(not (0 <= t < len(self.tokenizer)) for t in req.prompt):
                     raise RequestFailed(400, "prompt token ids out of the vocabulary", "invalid_request_error")
@@ -210,7 +246,10 @@ class Front:
 
     def _usage(self, gen: "Generation") -> dict:
         u = {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": gen.completion_tokens,
-             "total_tokens": len(gen.prompt_ids) + gen.completion_tokens}
+             "total_tokens": len(gen.prompt_ids) + gen.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+        if gen.prepositioned:
+            u["prompt_tokens_details"]["prepositioned"] = True
         if gen.usage and gen.usage.spec_draft_tokens:
             u["speculation"] = {"draft_tokens": gen.usage.spec_draft_tokens,
                                 "accepted_tokens": gen.usage.spec_accepted_tokens}
@@ -293,7 +332,40 @@ class Generation:
         self.completion_tokens = 0
         self.token_ids: list[int] = []
         self.usage = None
+        self.cached_tokens = 0  # prompt tokens prefill took from its prefix cache
+        self.prepositioned = False  # … some of which pre-positioning computed ahead
+        self.text: list[str] = []
         self._sub = None
+
+    async def _dispatch(self, preq: PrefillRequest, worker_id: str) -> Ack:
+        """Send the prompt to the routed prefill worker; if it does not answer, to any (queue group)."""
+        f, a = self.front, self.front.args
+        direct = Subjects.prefill_worker(f.scope, f.model_name, worker_id)
+        try:
+            msg = await f.nc.request(direct, preq.encode(), timeout=min(a.dispatch_timeout, 2.0))
+            return Ack.decode(msg.data)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            log.info("prefill worker %s did not take %s; dispatching to the queue group", worker_id, self.rid)
+        try:
+            msg = await f.nc.request(Subjects.prefill(f.scope, f.model_name), preq.encode(), timeout=a.dispatch_timeout)
+            return Ack.decode(msg.data)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            raise RequestFailed(503, f"no prefill worker accepted the request within {a.dispatch_timeout:.0f} s",
+                                "unavailable", code="no_worker")
+
+    def _unqueue(self, queued: tuple[str, int]) -> None:
+        c = self.front.prefill_inflight
+        c[queued[0]] -= queued[1]
+        if c[queued[0]] <= 0:
+            del c[queued[0]]
+
+    def next_turn_ids(self) -> list[int]:
+        """The likeliest start of this conversation's next request: everything so far plus the answer."""
+        if self.req.__class__.__name__ == "ChatCompletionRequest":
+            messages = [{"role": m.role, "content": m.text()} for m in self.req.messages]
+            messages.append({"role": "assistant", "content": "".join(self.text)})
+            return self.front.chat_prompt_ids(messages, generation_prompt=False)
+        return self.prompt_ids + self.token_ids
 
     async def cancel(self, reason: str) -> None:
         try:
@@ -305,8 +377,9 @@ class Generation:
         """Yield text deltas; raise RequestFailed on any failure."""
         f, a = self.front, self.front.args
         t0 = time.monotonic()
-        decode = f.registry.pick_decode(f.model_name, f.inflight)
-        if decode is None or not f.registry.alive("prefill", f.model_name):
+        decode = f.registry.pick_decode(f.model_name, f.inflight, f.inflight_bytes)
+        prefill, hit = f.registry.pick_prefill(f.model_name, self.prompt_ids, f.prefill_inflight)
+        if decode is None or prefill is None:
             raise RequestFailed(503, f"no {'decode' if decode is None else 'prefill'} worker is available for "
                                      f"{f.model_name}; retry later", "unavailable", code="no_worker")
         spec = self.req.speculation.model_dump(exclude_none=True) if self.req.speculation else None
@@ -314,19 +387,20 @@ class Generation:
                               sampling=self.params, seed=self.params.seed if self.params.seed is not None
                               else secrets.randbits(63), decode_worker_id=decode.worker_id,
                               failure_policy=a.kv_failure_policy, spec=spec)
+        kv_bytes = (len(self.prompt_ids) + self.params.max_tokens) * f.kv_bytes_per_token
         f.inflight[decode.worker_id] += 1
+        f.inflight_bytes[decode.worker_id] += kv_bytes
         f.m_prompt_tokens.inc(len(self.prompt_ids))
         sub = await f.nc.subscribe(Subjects.stream(self.rid))
         finished = False
+        queued = None  # (prefill worker, tokens) this request adds to its queue until the first token
         try:
-            try:
-                msg = await f.nc.request(Subjects.prefill(f.scope, f.model_name), preq.encode(), timeout=a.dispatch_timeout)
-                ack = Ack.decode(msg.data)
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-                raise RequestFailed(503, f"no prefill worker accepted the request within {a.dispatch_timeout:.0f} s",
-                                    "unavailable", code="no_worker")
+            ack = await self._dispatch(preq, prefill.worker_id)
             if not ack.accepted:
-                raise RequestFailed(500, f"prefill worker {ack.worker_id} refused the request: {ack.error}")
+                raise RequestFailed(ack.status, f"prefill worker {ack.worker_id} refused the request: {ack.error}",
+                                    "invalid_request_error" if ack.status < 500 else "server_error")
+            queued = (ack.worker_id, len(self.prompt_ids) - (hit if ack.worker_id == prefill.worker_id else 0))
+            f.prefill_inflight[queued[0]] += queued[1]
             responsible = ("prefill", ack.worker_id)
             pending: dict[int, StreamEvent] = {}
             next_seq = 0
@@ -369,12 +443,18 @@ class Generation:
                         if first_token_at is None:
                             first_token_at = now
                             f.m_ttft.observe(now - t0)
+                            self.cached_tokens = ev.cached_tokens or 0
+                            self.prepositioned = bool(ev.prepositioned)
+                            if queued:
+                                self._unqueue(queued)
+                                queued = None
                         else:
                             f.m_itl.observe(now - last_token_at)
                         last_token_at = now
                         self.completion_tokens += len(ev.token_ids)
                         self.token_ids.extend(ev.token_ids)
                         if ev.text:
+                            self.text.append(ev.text)
                             yield ev.text
                         continue
                     if ev.kind == "done":
@@ -383,13 +463,19 @@ class Generation:
                         finished = True
                         f.m_completion_tokens.inc(self.completion_tokens)
                         f.m_e2e.observe(time.monotonic() - t0)
+                        if a.preposition:
+                            f.spawn_hint(self, ack.worker_id)
                         return
                 if len(pending) > 4096:
                     raise RequestFailed(502, f"event stream lost event {next_seq}", "server_error")
         finally:
+            if queued:
+                self._unqueue(queued)
             f.inflight[decode.worker_id] -= 1
+            f.inflight_bytes[decode.worker_id] -= kv_bytes
             if f.inflight[decode.worker_id] <= 0:
                 del f.inflight[decode.worker_id]
+                f.inflight_bytes.pop(decode.worker_id, None)
             if not finished:
                 await self.cancel("request ended early")
             await sub.unsubscribe()
@@ -410,6 +496,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--token-timeout", type=float, default=60.0, help="seconds of silence allowed between tokens")
     p.add_argument("--kv-failure-policy", default=os.environ.get("PDSERVE_KV_FAILURE_POLICY", "recompute"),
                    choices=["recompute", "fail"], help="when a request's KV is lost in transit: recompute it on decode, or fail")
+    p.add_argument("--preposition", action=argparse.BooleanOptionalAction,
+                   default=os.environ.get("PDSERVE_PREPOSITION", "1") not in ("0", "false", "no"),
+                   help="after each request, hint its prefill worker to pre-compute the next turn's KV when idle")
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
     args = p.parse_args(argv)
     setup_logging(args.log_level)

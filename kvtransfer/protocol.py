@@ -14,6 +14,11 @@ Subjects (`{s}` is the deployment scope — see LoadReport.scope —, `{m}` the 
 | subject                                  | from → to        | message                      |
 |------------------------------------------|------------------|------------------------------|
 | pdserve.v1.prefill.{s}.{m} (queue)       | front → prefill  | PrefillRequest → Ack         |
+| pdserve.v1.prefill.{s}.{m}.w.{w}         | front → prefill  | PrefillRequest → Ack (routed |
+|                                          |                  | to the worker holding the    |
+|                                          |                  | longest cached prefix)       |
+| pdserve.v1.preposition.{s}.{w}           | front → prefill  | PrepositionHint (fire and    |
+|                                          |                  | forget)                      |
 | pdserve.v1.decode.{s}.{w}.handoff        | prefill → decode | HandoffOffer → HandoffReply  |
 | pdserve.v1.stream.{r}                    | workers → front  | StreamEvent (tokens/errors)  |
 | pdserve.v1.cancel.{r}                    | front → workers  | Cancel                       |
@@ -30,6 +35,8 @@ tier). See `kvtransfer.channel`.
 """
 from __future__ import annotations
 
+import array
+import hashlib
 import time
 from typing import Literal
 
@@ -57,6 +64,15 @@ class Subjects:
     @staticmethod
     def prefill(scope: str, model: str) -> str:
         return f"{PREFIX}.prefill.{_safe_token(scope)}.{_safe_token(model)}"
+
+    @staticmethod
+    def prefill_worker(scope: str, model: str, worker_id: str) -> str:
+        """One prefill worker's own subject: the router sends here to reuse that worker's cached prefix."""
+        return f"{Subjects.prefill(scope, model)}.w.{_safe_token(worker_id)}"
+
+    @staticmethod
+    def preposition(scope: str, worker_id: str) -> str:
+        return f"{PREFIX}.preposition.{_safe_token(scope)}.{_safe_token(worker_id)}"
 
     @staticmethod
     def decode_handoff(scope: str, worker_id: str) -> str:
@@ -93,6 +109,40 @@ class Subjects:
         return f"{PREFIX}.kv.failed.{_safe_token(request_id)}"
 
     KV_FAILED_ALL = f"{PREFIX}.kv.failed.*"
+
+
+# --- prefix addresses ------------------------------------------------------------------------
+# A full KV block is addressed by a hash chain over token ids, h_i = sha256(h_{i-1} || tokens of
+# block i as int64), so a block matches only if everything before it matches too. Workers cache
+# blocks under these addresses and announce them (truncated to ANNOUNCED_HASH_BYTES) in their
+# LoadReports; the router computes the same chain for a prompt to find who holds its longest prefix.
+
+ROOT_HASH = b""
+ANNOUNCED_HASH_BYTES = 8
+
+
+def block_hash(parent: bytes, tokens) -> bytes:
+    """The hash-chain address of a full block: sha256(parent hash || token ids as little-endian int64)."""
+    a = array.array("q", tokens)
+    if array.array("q", [1]).tobytes()[0] != 1:  # big-endian host: hash the same bytes as everyone else
+        a.byteswap()
+    h = hashlib.sha256(parent)
+    h.update(a.tobytes())
+    return h.digest()
+
+
+def prefix_hashes(token_ids, block_size: int) -> list[bytes]:
+    """The hash chain of every full block of `token_ids`."""
+    out, h = [], ROOT_HASH
+    for i in range(len(token_ids) // block_size):
+        h = block_hash(h, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(h)
+    return out
+
+
+def announced(h: bytes) -> str:
+    """How a block address appears in a LoadReport."""
+    return h[:ANNOUNCED_HASH_BYTES].hex()
 
 
 class Message(BaseModel):
@@ -150,6 +200,14 @@ class LoadReport(Message):
     tokens_per_second: float = 0.0
     spec_acceptance_rate: float = 0.0
     stale_after_s: float = 3.0
+    # Prefill: prompt tokens accepted but not yet computed (the router's load signal), and the
+    # prefix cache's contents — `announced()` addresses of cached full blocks of `block_size`
+    # tokens, most recently used first, at most a few thousand.
+    queue_tokens: int = 0
+    block_size: int = 0
+    cached_blocks: list[str] = Field(default_factory=list)
+    preposition_hits: int = 0
+    preposition_computed: int = 0
     # The deployment this worker belongs to (an InferenceService: "namespace.name"; locally, one
     # `pdserve up`). Prefill queues and handoff subjects are per scope, so two deployments of the
     # same model on one NATS never take each other's requests.
@@ -177,10 +235,24 @@ class PrefillRequest(Message):
     spec: dict | None = None  # speculation overrides for this request (method, max_k, enabled)
 
 
+class PrepositionHint(Message):
+    """front → one prefill worker: the likely start of this conversation's next request.
+
+    Sent after a request finishes: the conversation so far plus the answer just given. An idle
+    prefill worker computes its KV into the prefix cache (under a budget, evicted first), so the
+    next turn's prefill covers only the new message. Fire and forget: a busy worker drops it.
+    """
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+
+
 class Ack(Message):
     accepted: bool
     worker_id: str
     error: str | None = None
+    status: int = 500  # of a refusal: 400 when the request itself is invalid
 
 
 class HandoffOffer(Message):
@@ -260,6 +332,8 @@ class StreamEvent(Message):
     status: int | None = None
     kv_bytes: int | None = None
     kv_seconds: float | None = None
+    cached_tokens: int | None = None  # first token event: prompt tokens served from the prefix cache
+    prepositioned: bool | None = None  # … of which some were computed ahead by pre-positioning
 
 
 class Cancel(Message):

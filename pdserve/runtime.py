@@ -153,6 +153,27 @@ class DenseEngine:
         self._caches[seq_id] = self.runner.blocks_to_cache(kv)
         self._reserved[seq_id] = kv.num_tokens * self._token_bytes()
 
+    def start(self, seq_id, token_ids: list[int], *, reuse_prefix: bool = True) -> int:
+        """Open an empty sequence (a dense engine has no prefix cache: 0 tokens are ever cached)."""
+        if seq_id in self._caches:
+            raise KeyError(f"sequence {seq_id!r} already exists")
+        if not self.can_admit(len(token_ids)):
+            from pdserve.engine.blocks import OutOfBlocks
+
+            raise OutOfBlocks(f"sequence {seq_id!r}", len(token_ids), 0)
+        self._caches[seq_id] = self.runner.new_cache()
+        self._reserved[seq_id] = 0
+        return 0
+
+    def export_kv(self, seq_id) -> KVBlocks:
+        return self.runner.cache_to_blocks(self._caches[seq_id])
+
+    def holds(self, h: bytes) -> bool:
+        return False
+
+    def cached_hashes(self, limit: int | None = None) -> list[bytes]:
+        return []
+
     def prefill(self, seq_id, token_ids: list[int]) -> torch.Tensor:
         logits, self._caches[seq_id] = self.runner.prefill(token_ids)
         self._reserved[seq_id] = len(token_ids) * self._token_bytes()
@@ -172,7 +193,7 @@ class DenseEngine:
     def rollback(self, seq_id, num_tokens: int) -> None:
         crop_cache(self._caches[seq_id], num_tokens)
 
-    def free(self, seq_id) -> None:
+    def free(self, seq_id, *, evict_first_from: int | None = None) -> None:
         self._caches.pop(seq_id, None)
         self._reserved.pop(seq_id, None)
 

@@ -1,33 +1,79 @@
-"""The prefill worker: takes prompts from NATS (queue group), runs them, hands their KV to a decode worker.
+"""The prefill worker: takes prompts from NATS, runs them in batched chunks, hands their KV to decode.
 
-Per request: Ack at once → prefill on the compute thread → sample and stream the first token
-straight to the front (TTFT does not wait for the KV move) → offer the KV to the decode
-worker the front chose (NATS) → stream it over the direct data path. Once decode has accepted
-the offer it owns the request, including its failure policy; before that, prefill reports
-every failure on the request's stream.
+Requests arrive on the deployment's queue group (any worker) or on this worker's own subject
+(the front routed them here because this worker's prefix cache holds the longest part of the
+prompt). Each is acknowledged at once and joins the scheduler's queue.
+
+The scheduler runs one forward per step over a token budget (`--max-batch-tokens`): every
+waiting prompt, oldest first, brings its next chunk of at most `--chunk-size` tokens, so a long
+prompt is computed in pieces and a short one that arrives behind it joins the very next step
+instead of waiting for the long one to finish. A prompt's first step reuses the longest cached
+prefix of whole blocks (a shared system prompt is computed once). When its last chunk is done:
+sample and stream the first token straight to the front (TTFT does not wait for the KV move),
+copy its KV out of the pool (its blocks stay cached), offer it to the decode worker the front
+chose, and send it over the direct data path. Once decode has accepted the offer it owns the
+request, including its failure policy; before that, prefill reports every failure on the
+request's stream.
+
+Pre-positioning: after a turn, the front sends the worker a hint — the conversation plus the
+answer just given. When no prompt is waiting, the worker computes that KV into its prefix cache,
+so the next turn's prefill covers only the new message. Hints are bounded (a queue, a block
+budget), interrupted by any real prompt, evicted before anything real, and dropped first when
+the pool runs short. Hits are counted (`pdserve_preposition_*`).
+
+The worker announces its load and its cached block addresses in its LoadReport (1 Hz), which is
+what the front's router reads.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import logging
 import os
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
 
-from pdserve.kvtransfer.protocol import (
-    PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, ProtocolError, StreamEvent,
-    Subjects, Usage,
-)
+from pdserve.engine.blocks import OutOfBlocks
 from pdserve.kvtransfer.channel import KVSendChannel
+from pdserve.kvtransfer.protocol import (
+    PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, PrepositionHint, ProtocolError,
+    StreamEvent, Subjects, Usage, announced, prefix_hashes,
+)
 from pdserve.kvtransfer.tcp import TransferError
 from pdserve.sampling import TextStream, sample_next
 from pdserve.workerbase import WorkerBase, run_worker
 
 log = logging.getLogger("pdserve.prefill")
+
+_JOB_IDS = itertools.count()
+
+
+@dataclass(eq=False)
+class Job:
+    """One prompt in the scheduler: a request, or a pre-positioning hint (req is None)."""
+
+    seq_id: str
+    token_ids: list[int]
+    queued_at: float
+    req: PrefillRequest | None = None
+    started: bool = False
+    done: int = 0  # prompt tokens whose KV is in the pool
+    cached: int = 0  # … of which came from the prefix cache
+    prepositioned: bool = False  # the cached part includes pre-positioned blocks
+    started_at: float = 0.0  # when its first chunk was scheduled
+
+    @property
+    def hint(self) -> bool:
+        return self.req is None
+
+    @property
+    def remaining(self) -> int:
+        return len(self.token_ids) - self.done
 
 
 class PrefillWorker(WorkerBase):
@@ -37,18 +83,36 @@ class PrefillWorker(WorkerBase):
         super().__init__(args)
         self.offer_timeout = args.offer_timeout
         self.transfer_timeout = args.transfer_timeout
+        self.chunk_size = max(1, args.chunk_size)
+        self.max_batch_tokens = max(self.chunk_size, args.max_batch_tokens)
+        self.engine = self._make_engine(args)
+        self.jobs: deque[Job] = deque()  # requests, oldest first
+        self.hints: OrderedDict[str, Job] = OrderedDict()  # pre-positioning, newest last
+        self.hint_job: Job | None = None  # the hint being computed (at most one at a time)
+        self.preposition_budget = args.preposition_budget_blocks
+        self._pp_hashes: dict[bytes, None] = {}  # block addresses computed by pre-positioning, not yet used
+        self.preposition_hits = 0
+        self.preposition_computed = 0
         self.queue_depth = 0
         self.transfer_backlog = 0
         self.transfer_backlog_bytes = 0
         self._recent_ttft: deque[float] = deque(maxlen=32)
         self._recent_wait: deque[float] = deque(maxlen=32)
         self._cancelled: set[str] = set()
-        self._slot = asyncio.Semaphore(1)
+        self._wake = asyncio.Event()
+        self._announced: list[str] = []  # cached block addresses, refreshed on the compute thread after each step
         r = self.registry
         self.m_requests = Counter("pdserve_prefill_requests_total", "prompts prefilled", ["outcome"], registry=r)
         self.m_queue = Gauge("pdserve_prefill_queue_depth", "prompts waiting for prefill", registry=r)
-        self.m_prefill = Histogram("pdserve_prefill_compute_seconds", "prefill forward time", registry=r,
-                                   buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
+        self.m_prefill = Histogram("pdserve_prefill_compute_seconds", "prefill time of one prompt (all its chunks)",
+                                   registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
+        self.m_step = Histogram("pdserve_prefill_step_tokens", "tokens computed per prefill step", registry=r,
+                                buckets=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
+        self.m_cached = Counter("pdserve_prefix_cache_tokens_total", "prompt tokens by source", ["source"],
+                                registry=r)
+        self.m_pp = Counter("pdserve_preposition_total", "pre-positioning hints by outcome", ["outcome"], registry=r)
+        Gauge("pdserve_prefill_kv_utilization", "prefill KV pool in use by prompts being computed (0-1)",
+              registry=r).set_function(lambda: self.engine.utilization())
         # the same signals the LoadReport carries, for clusters that scrape Prometheus (prometheus-adapter)
         Gauge("pdserve_prefill_queue_wait_seconds", "recent mean wait before prefill starts", registry=r
               ).set_function(lambda: self.load_fields()["queue_wait_seconds"])
@@ -62,36 +126,91 @@ class PrefillWorker(WorkerBase):
         self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV handoff time (offer to ACK)", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
 
+    def _make_engine(self, args):
+        """The paged engine (block pool with prefix cache, batched chunks) for Llama-family models;
+        the dense per-sequence engine (no prefix cache) for anything else."""
+        layout = self.runner.layout
+        if self.runner.config.model_type == "llama":
+            from pdserve.engine.runner import PagedRunner
+
+            blocks = max(16, args.kv_capacity_bytes // (layout.block_bytes * layout.num_layers))
+            engine = PagedRunner(self.runner.model_dir, dtype=self.runner.model.dtype, device=args.device,
+                                 block_size=layout.block_size, num_blocks=blocks)
+            layout.check_matches(engine.layout, what="paged engine")
+            return engine
+        from pdserve.runtime import DenseEngine
+
+        return DenseEngine(self.runner, args.kv_capacity_bytes)
+
     def load_fields(self) -> dict:
         mean = lambda d: sum(d) / len(d) if d else 0.0  # noqa: E731
         return dict(queue_depth=self.queue_depth, queue_wait_seconds=mean(self._recent_wait),
                     ttft_seconds=mean(self._recent_ttft), transfer_backlog_handoffs=self.transfer_backlog,
-                    transfer_backlog_bytes=self.transfer_backlog_bytes)
+                    transfer_backlog_bytes=self.transfer_backlog_bytes,
+                    queue_tokens=sum(j.remaining for j in self.jobs), kv_utilization=self.engine.utilization(),
+                    block_size=self.runner.layout.block_size, cached_blocks=self._announced,
+                    preposition_hits=self.preposition_hits, preposition_computed=self.preposition_computed)
 
     async def on_start(self) -> None:
         # transports in preference order (shm only when decode reports the same host), negotiated per handoff
         self.kv_channel = KVSendChannel(self.nc, sender_id=self.worker_id, generation=self.generation,
                                         transports=self.args.kv_transports.split(","),
                                         compression=self.args.kv_compression, timeout=self.transfer_timeout)
-        await self.nc.subscribe(Subjects.prefill(self.scope, self.model_name), queue=PREFILL_QUEUE_GROUP, cb=self._on_request)
+        await self.nc.subscribe(Subjects.prefill(self.scope, self.model_name), queue=PREFILL_QUEUE_GROUP,
+                                cb=self._on_request)
+        await self.nc.subscribe(Subjects.prefill_worker(self.scope, self.model_name, self.worker_id),
+                                cb=self._on_request)
+        await self.nc.subscribe(Subjects.preposition(self.scope, self.worker_id), cb=self._on_hint)
         await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
+        self.spawn(self._scheduler())
 
     async def _on_cancel(self, msg) -> None:
         try:
-            self._cancelled.add(Cancel.decode(msg.data).request_id)
+            rid = Cancel.decode(msg.data).request_id
         except ProtocolError:
-            pass
+            return
+        if any(j.req.request_id == rid for j in self.jobs):
+            self._cancelled.add(rid)  # the scheduler drops it between steps
 
     async def _on_request(self, msg) -> None:
         try:
             req = PrefillRequest.decode(msg.data)
+            ids = req.prompt_token_ids
+            # checked here, so that one bad prompt never fails a batch it would have joined
+            if not ids or len(ids) >= self.runner.max_context:
+                raise ProtocolError(f"prompt of {len(ids)} tokens: must be 1..{self.runner.max_context - 1}")
+            vocab = self.runner.config.vocab_size
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise ProtocolError(f"prompt token ids must lie in 0..{vocab - 1}")
         except ProtocolError as e:
-            await msg.respond(Ack(accepted=False, worker_id=self.worker_id, error=str(e)).encode())
+            await msg.respond(Ack(accepted=False, worker_id=self.worker_id, error=str(e), status=400).encode())
             return
         await msg.respond(Ack(accepted=True, worker_id=self.worker_id).encode())
+        self.jobs.append(Job(f"req-{next(_JOB_IDS)}-{req.request_id}", list(req.prompt_token_ids),
+                             time.monotonic(), req))
         self.queue_depth += 1
         self.m_queue.set(self.queue_depth)
-        self.spawn(self._serve(req, time.monotonic()))
+        self._wake.set()
+
+    async def _on_hint(self, msg) -> None:
+        try:
+            hint = PrepositionHint.decode(msg.data)
+        except ProtocolError as e:
+            log.debug("bad pre-positioning hint: %s", e)
+            return
+        ids = hint.token_ids
+        if (not self.preposition_budget or hint.model != self.model_name or not ids
+                or len(ids) >= self.runner.max_context or len(ids) // self.runner.layout.block_size > self.preposition_budget
+                or min(ids) < 0 or max(ids) >= self.runner.config.vocab_size):
+            self.m_pp.labels("refused").inc()
+            return
+        self.hints[hint.request_id] = Job(f"pp-{next(_JOB_IDS)}-{hint.request_id}", list(hint.token_ids),
+                                          time.monotonic())
+        self.m_pp.labels("received").inc()
+        while len(self.hints) > self.args.preposition_queue:  # keep the newest: the likeliest next turns
+            self.hints.popitem(last=False)
+            self.m_pp.labels("dropped").inc()
+        self._wake.set()
 
     async def _publish(self, req: PrefillRequest, **fields) -> None:
         await self.nc.publish(Subjects.stream(req.request_id),
@@ -103,30 +222,184 @@ class PrefillWorker(WorkerBase):
         log.warning("request %s failed: %s", req.request_id, message)
         await self._publish(req, seq=seq, kind="error", error=message, error_type=error_type, status=status)
 
-    async def _serve(self, req: PrefillRequest, queued_at: float) -> None:
+    # -- the scheduler ---------------------------------------------------------------------
+
+    def _plan(self) -> list[tuple[Job, int]]:
+        """This step's chunks: every waiting prompt, oldest first, its next chunk, within the token budget;
+        when no prompt waits, the next chunk of one pre-positioning hint."""
+        plan, budget = [], self.max_batch_tokens
+        for job in self.jobs:
+            n = min(self.chunk_size, job.remaining, budget)
+            if n <= 0:
+                break
+            plan.append((job, n))
+            budget -= n
+        if plan:
+            return plan
+        if self.hint_job is None and self.hints:
+            _, self.hint_job = self.hints.popitem(last=True)
+        if self.hint_job is not None:
+            plan.append((self.hint_job, min(self.chunk_size, self.hint_job.remaining)))
+        return plan
+
+    def _pp_in_use(self) -> int:
+        for h in [h for h in self._pp_hashes if not self.engine.holds(h)]:
+            del self._pp_hashes[h]  # evicted
+        return len(self._pp_hashes)
+
+    def _step(self, plan: list[tuple[Job, int]]) -> list[tuple[Job, object, object]]:
+        """One forward over the plan's chunks (compute thread). Returns (job, last logits, KV) of the
+        requests whose prompt is now complete; their sequences are released (blocks stay cached)."""
+        batch = []
+        for job, n in plan:
+            if not job.started:
+                try:
+                    job.cached = job.done = self.engine.start(job.seq_id, job.token_ids)
+                except OutOfBlocks:
+                    if not batch:
+                        raise
+                    break  # the prompts already in this step go ahead; this one waits for room
+                job.started = True
+                if job.cached and self._pp_hashes:
+                    used = [h for h in prefix_hashes(job.token_ids[: job.cached], self.runner.layout.block_size)
+                            if h in self._pp_hashes]
+                    if used and not job.hint:
+                        job.prepositioned = True
+                        for h in used:  # real reuse from now on: no longer speculative
+                            del self._pp_hashes[h]
+            n = min(n, job.remaining)
+            batch.append((job, n))
+        logits = self.engine.step([(j.seq_id, j.token_ids[j.done : j.done + n]) for j, n in batch], last_only=True)
+        finished = []
+        for (job, n), out in zip(batch, logits):
+            job.done += n
+            if job.remaining:
+                continue
+            if job.hint:
+                bs = self.runner.layout.block_size
+                for h in prefix_hashes(job.token_ids, bs)[job.cached // bs :]:
+                    self._pp_hashes[h] = None
+                self.engine.free(job.seq_id, evict_first_from=job.cached // bs)
+                finished.append((job, None, None))
+                continue
+            kv = self.engine.export_kv(job.seq_id)
+            self.engine.free(job.seq_id)
+            finished.append((job, out[-1], kv))
+        self._announced = [announced(h) for h in self.engine.cached_hashes(self.args.announce_blocks)]
+        return finished
+
+    def _drop(self, job: Job) -> None:
+        """Forget a job and release its sequence (compute thread)."""
+        if job.started:
+            self.engine.free(job.seq_id, evict_first_from=0 if job.hint else None)
+        job.started, job.done, job.cached, job.prepositioned = False, 0, 0, False
+
+    async def _scheduler(self) -> None:
+        while True:
+            await self._drop_cancelled()
+            if self.hint_job is None and self.hints and self._pp_in_use() >= self.preposition_budget:
+                self.hints.clear()  # the budget is full of pre-positioned KV nobody used yet
+                self.m_pp.labels("over_budget").inc()
+            plan = self._plan()
+            if not plan:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t0 = time.monotonic()
+            for job, _ in plan:
+                if not job.started_at:
+                    job.started_at = t0
+                    if not job.hint:
+                        self._recent_wait.append(t0 - job.queued_at)
+            try:
+                finished = await self.compute(self._step, plan)
+            except OutOfBlocks as e:
+                await self._out_of_blocks(plan, e)
+                continue
+            except Exception as e:
+                log.exception("prefill step failed for %d prompts", len(plan))
+                for job, _ in plan:
+                    await self.compute(self._drop, job)
+                    await self._finish_job(job, error=f"prefill failed: {e}")
+                continue
+            self.m_step.observe(sum(n for _, n in plan))
+            for job, logits, kv in finished:
+                if job.hint:
+                    self.hint_job = None
+                    self.preposition_computed += 1
+                    self.m_pp.labels("computed").inc()
+                    continue
+                await self._finish_job(job)
+                self.m_prefill.observe(time.monotonic() - job.started_at)
+                self.spawn(self._first_token(job, logits, kv))
+            # let NATS callbacks (new prompts, cancels) run between steps
+            await asyncio.sleep(0)
+
+    async def _finish_job(self, job: Job, error: str | None = None, status: int = 500) -> None:
+        """Take a request out of the queue; with `error`, report it on the request's stream."""
+        if job.hint:
+            self.hint_job = None
+            return
+        self.jobs.remove(job)
+        self.queue_depth -= 1
+        self.m_queue.set(self.queue_depth)
+        if error is not None:
+            await self._fail(job.req, 0, error, status=status, error_type="server_error" if status == 500
+                             else "unavailable")
+
+    async def _drop_cancelled(self) -> None:
+        if not self._cancelled:
+            return
+        for job in [j for j in self.jobs if j.req.request_id in self._cancelled]:
+            self._cancelled.discard(job.req.request_id)
+            await self.compute(self._drop, job)
+            await self._finish_job(job)
+            self.m_requests.labels("cancelled").inc()
+        self._cancelled.clear()
+
+    async def _out_of_blocks(self, plan: list[tuple[Job, int]], err: OutOfBlocks) -> None:
+        """The pool cannot hold this step: give up speculative KV first, then preempt the youngest
+        started prompt (it recomputes later), and only a prompt too large for the pool alone fails."""
+        if self.hint_job is not None:
+            await self.compute(self._drop, self.hint_job)
+            self.hint_job = None
+            self.hints.clear()
+            self.m_pp.labels("preempted").inc()
+            return
+        started = [j for j in self.jobs if j.started]
+        if len(started) > 1 or (started and started[0] is not self.jobs[0]):
+            victim = started[-1]
+            log.warning("prefill KV pool full: %s restarts later", victim.req.request_id)
+            await self.compute(self._drop, victim)
+            self.jobs.remove(victim)
+            self.jobs.append(victim)
+            return
+        job = self.jobs[0]
+        await self.compute(self._drop, job)
+        await self._finish_job(job, error=f"the prompt ({len(job.token_ids)} tokens) does not fit the prefill KV pool: "
+                                          f"{err}", status=503)
+
+    # -- after the prompt ------------------------------------------------------------------
+
+    async def _first_token(self, job: Job, logits, kv) -> None:
+        req = job.req
         try:
-            async with self._slot:
-                self.queue_depth -= 1
-                self.m_queue.set(self.queue_depth)
-                self._recent_wait.append(time.monotonic() - queued_at)
-                if req.request_id in self._cancelled:
-                    self._cancelled.discard(req.request_id)
-                    return
-                t0 = time.monotonic()
-                logits, cache = await self.compute(self.runner.prefill, req.prompt_token_ids)
-                self.m_prefill.observe(time.monotonic() - t0)
             first = sample_next(logits, req.sampling, 0, req.seed)
             stream = TextStream(self.runner.tokenizer, req.sampling, self.runner.eos_token_ids)
             text = stream.push(first)
-            self._recent_ttft.append(time.monotonic() - queued_at)
-            await self._publish(req, seq=0, kind="token", token_ids=[first], text=text)
+            self._recent_ttft.append(time.monotonic() - job.queued_at)
+            self.m_cached.labels("cache").inc(job.cached)
+            self.m_cached.labels("computed").inc(len(job.token_ids) - job.cached)
+            if job.prepositioned:
+                self.preposition_hits += 1
+                self.m_pp.labels("hit").inc()
+            await self._publish(req, seq=0, kind="token", token_ids=[first], text=text, cached_tokens=job.cached,
+                                prepositioned=job.prepositioned)
             if stream.done:
                 self.m_requests.labels("finished").inc()
                 await self._publish(req, seq=1, kind="done", finish_reason=stream.finish_reason,
                                     usage=Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=1))
                 return
-            kv = await self.compute(self.runner.cache_to_blocks, cache)
-            del cache
             await self._handoff(req, kv, [first])
         except Exception as e:  # never leave the client waiting on a request we took
             log.exception("prefill of %s failed", req.request_id)
@@ -172,12 +445,23 @@ class PrefillWorker(WorkerBase):
 
 
 def _args(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
     p.add_argument("--offer-timeout", type=float, default=5.0, help="seconds to wait for decode to accept a handoff")
-    p.add_argument("--transfer-timeout", type=float, default=float(os.environ.get("PDSERVE_KV_TIMEOUT_SECONDS", "30")), help="seconds without progress before a KV send fails")
-    p.add_argument("--kv-transports", default=os.environ.get("PDSERVE_KV_TRANSPORT", "shm,tcp,nats"),
+    p.add_argument("--transfer-timeout", type=float, default=float(env("PDSERVE_KV_TIMEOUT_SECONDS", "30")),
+                   help="seconds without progress before a KV send fails")
+    p.add_argument("--kv-transports", default=env("PDSERVE_KV_TRANSPORT", "shm,tcp,nats"),
                    help="KV transports in preference order (shm,tcp,nats,objstore); decode picks the first it can use")
-    p.add_argument("--kv-compression", default=os.environ.get("PDSERVE_KV_COMPRESSION", "none"),
+    p.add_argument("--kv-compression", default=env("PDSERVE_KV_COMPRESSION", "none"),
                    choices=["none", "int8", "fp8"], help="KV compression on the wire (off by default)")
+    p.add_argument("--kv-capacity-bytes", type=int, default=int(env("PDSERVE_PREFILL_KV_BYTES", str(512 << 20))),
+                   help="prefill KV pool (prompts being computed + prefix cache) in bytes")
+    p.add_argument("--chunk-size", type=int, default=256, help="most tokens of one prompt per step (chunked prefill)")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="most tokens per prefill step, all prompts together")
+    p.add_argument("--announce-blocks", type=int, default=2048,
+                   help="most cached block addresses announced to routers per load report")
+    p.add_argument("--preposition-budget-blocks", type=int, default=int(env("PDSERVE_PREPOSITION_BLOCKS", "256")),
+                   help="most KV blocks pre-positioned and not yet used (0 turns pre-positioning off)")
+    p.add_argument("--preposition-queue", type=int, default=16, help="most pre-positioning hints kept waiting")
     p.add_argument("--data-port", type=int, default=0, help="unused by prefill today (it connects out); kept for symmetry")
 
 

@@ -20,7 +20,6 @@ and never a half-grown sequence.
 """
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -38,14 +37,8 @@ class OutOfBlocks(RuntimeError):
         self.available = available
 
 
-_ROOT_HASH = b""
-
-
-def block_hash(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
-    """The hash-chain address of a full block: sha256(parent hash || token ids as int64)."""
-    h = hashlib.sha256(parent)
-    h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
-    return h.digest()
+# The address scheme is part of the protocol: routers compute the same chain to find cached prefixes.
+from pdserve.kvtransfer.protocol import ROOT_HASH as _ROOT_HASH, block_hash  # noqa: E402
 
 
 @dataclass
@@ -194,14 +187,33 @@ class BlockPool:
         del s.hashes[num_tokens // self.block_size :]
         s.num_tokens = num_tokens
 
-    def free(self, seq_id) -> None:
-        """Release a sequence's blocks; blocks that carry a prefix hash stay cached (LRU) until needed."""
+    def free(self, seq_id, *, evict_first_from: int | None = None) -> None:
+        """Release a sequence's blocks; blocks that carry a prefix hash stay cached (LRU) until needed.
+
+        `evict_first_from`: blocks from this index of the table on that become unreferenced go to
+        the cold end of the LRU (evicted before anything else) — for speculative content such as
+        pre-positioned KV, which must never push out KV that real requests used.
+        """
         s = self._seq(seq_id)
         del self._seqs[seq_id]
         # Release the tail first so that, among one sequence's blocks, the deepest prefix block
         # is evicted first and the root (the most shareable) last.
-        for b in reversed(s.table):
+        for i in range(len(s.table) - 1, -1, -1):
+            b = s.table[i]
             self._decref(b)
+            if evict_first_from is not None and i >= evict_first_from and b in self._lru:
+                self._lru.move_to_end(b, last=False)
+
+    def cached_hashes(self, limit: int | None = None) -> list[bytes]:
+        """Addresses of the blocks the prefix cache holds: in-use ones first, then unreferenced ones newest first."""
+        live = [h for b, h in self._hash_of.items() if self.refcount[b] > 0]
+        idle = [self._hash_of[b] for b in reversed(self._lru)]
+        out = live + idle
+        return out if limit is None else out[:limit]
+
+    def holds(self, h: bytes) -> bool:
+        """Whether the prefix cache holds a block at address `h`."""
+        return h in self._by_hash
 
     # -- prefix cache ----------------------------------------------------------------------
 

@@ -201,10 +201,19 @@ class PagedRunner:
         if toks is not None:
             del toks[num_tokens:]
 
-    def free(self, seq_id) -> None:
-        """Release a sequence; its full blocks stay in the prefix cache until the pool needs them."""
-        self.pool.free(seq_id)
+    def free(self, seq_id, *, evict_first_from: int | None = None) -> None:
+        """Release a sequence; its full blocks stay in the prefix cache until the pool needs them
+        (those from block `evict_first_from` on are evicted before anything else: speculative KV)."""
+        self.pool.free(seq_id, evict_first_from=evict_first_from)
         del self._tokens[seq_id]
+
+    def holds(self, h: bytes) -> bool:
+        """Whether the prefix cache holds the block at hash-chain address `h`."""
+        return self.pool.holds(h)
+
+    def cached_hashes(self, limit: int | None = None) -> list[bytes]:
+        """Addresses of the cached full blocks, most recently used first (what a worker announces)."""
+        return self.pool.cached_hashes(limit)
 
     # -- KV in and out as blocks -----------------------------------------------------------
 

@@ -1,0 +1,260 @@
+"""Prefill under load, against real processes: batched chunked prefill, the prefix cache, pre-positioning,
+KV-aware routing across prefill workers, and bad input that must not disturb a batch.
+
+Every output is checked against `transformers` greedy `generate` on the same prompt, so reusing
+cached or pre-positioned KV never changes an answer.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import nats
+import pytest
+import torch
+
+from pdserve.kvtransfer.protocol import (
+    Ack, LoadReport, PrefillRequest, PrepositionHint, Subjects, announced, prefix_hashes,
+)
+from pdserve.local import LocalCluster
+from pdserve.sampling import SamplingParams
+
+pytestmark = pytest.mark.model
+MODEL = "SmolLM2-135M-Instruct"
+LONG = (Path(__file__).parent / "data" / "long_prompt.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return tok, model
+
+
+def hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
+    tok, model = hf
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=tok.eos_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def chat(cluster, messages, n=12, **extra) -> dict:
+    s, out = post(cluster.url + "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": n,
+                                                         "temperature": 0, "return_token_ids": True,
+                                                         "ignore_eos": True, **extra})
+    assert s == 200, out
+    return out
+
+
+def chat_ids(tok, messages) -> list[int]:
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)
+
+
+def load_reports(cluster, role: str, seconds: float = 1.5) -> dict[str, LoadReport]:
+    """The latest LoadReport of each worker of `role` in this cluster's scope, read off real NATS."""
+    async def go():
+        nc = await nats.connect(**cluster.creds.connect_kwargs())
+        seen: dict[str, LoadReport] = {}
+
+        async def cb(msg):
+            r = LoadReport.decode(msg.data)
+            if r.scope == cluster.scope:
+                seen[r.worker_id] = r
+
+        await nc.subscribe(f"pdserve.v1.load.{role}.*", cb=cb)
+        await asyncio.sleep(seconds)
+        await nc.close()
+        return seen
+
+    return asyncio.run(go())
+
+
+def wait_for(predicate, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster(nats_server, model_dir):
+    # Small chunks and budget so that scheduling is visible with short prompts.
+    c = LocalCluster(str(model_dir), prefill_workers=1, decode_workers=1, nats=nats_server.creds,
+                     worker_args={"prefill": ["--chunk-size", "128", "--max-batch-tokens", "256"]})
+    c.start()
+    yield c
+    c.stop()
+
+
+def test_shared_system_prompt_is_computed_once_and_answers_do_not_change(cluster, hf):
+    tok = hf[0]
+    system = {"role": "system", "content": LONG[:3000]}
+    q1 = [system, {"role": "user", "content": "Who is the text about?"}]
+    q2 = [system, {"role": "user", "content": "Name one place mentioned in the text."}]
+    first = chat(cluster, q1)
+    second = chat(cluster, q2)
+    p1, p2 = chat_ids(tok, q1), chat_ids(tok, q2)
+    common = next(i for i, (a, b) in enumerate(zip(p1, p2)) if a != b)
+    assert common > 500
+    # the second request reused every whole block of the common prefix
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= common - 16
+    assert first["choices"][0]["token_ids"] == hf_greedy(hf, p1, 12)
+    assert second["choices"][0]["token_ids"] == hf_greedy(hf, p2, 12)
+
+
+def test_pre_positioning_computes_the_next_turn_while_idle(cluster, hf):
+    tok = hf[0]
+    turn1 = [{"role": "user", "content": "Write three sentences about the sea, " + LONG[:200]}]
+    a1 = chat(cluster, turn1, n=48)
+    answer = a1["choices"][0]["message"]["content"]
+    hint = tok.encode(tok.apply_chat_template(turn1 + [{"role": "assistant", "content": answer}], tokenize=False),
+                      add_special_tokens=False)
+    last_block = announced(prefix_hashes(hint, 16)[-1])
+    wait_for(lambda: last_block in load_reports(cluster, "prefill", 1.1)["prefill-0"].cached_blocks, 60,
+             "the prefill worker to pre-position the next turn")
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Now one about rivers."}]
+    a2 = chat(cluster, turn2)
+    details = a2["usage"]["prompt_tokens_details"]
+    assert details.get("prepositioned") is True
+    p2 = chat_ids(tok, turn2)
+    # everything up to the answer's last whole block came from the cache
+    assert details["cached_tokens"] >= len(hint) - 16
+    assert a2["choices"][0]["token_ids"] == hf_greedy(hf, p2, 12)
+    assert load_reports(cluster, "prefill")["prefill-0"].preposition_hits >= 1
+
+
+def test_a_short_prompt_is_not_starved_by_a_long_one(cluster, hf):
+    tok = hf[0]
+    long_ids = tok.encode(LONG, add_special_tokens=False)[:1500]
+    short_ids = tok.encode("The capital of France is", add_special_tokens=False)
+    done: dict[str, float] = {}
+    results: dict[str, dict] = {}
+
+    def run(name, ids, delay):
+        time.sleep(delay)
+        s, out = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1,
+                                                        "temperature": 0, "return_token_ids": True})
+        done[name] = time.monotonic()
+        results[name] = out
+        assert s == 200, out
+
+    threads = [threading.Thread(target=run, args=("long", long_ids, 0.0)),
+               threading.Thread(target=run, args=("short", short_ids, 0.3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    # The long prompt needs ~12 chunks of 128; the short one joins the next step and finishes first.
+    assert done["short"] < done["long"]
+    assert results["short"]["choices"][0]["token_ids"] == hf_greedy(hf, short_ids, 1)
+    assert results["long"]["choices"][0]["token_ids"] == hf_greedy(hf, long_ids, 1)
+
+
+def test_concurrent_mixed_prompts_with_shared_prefixes_equal_each_alone(cluster, hf):
+    tok = hf[0]
+    base = tok.encode(LONG, add_special_tokens=False)
+    prompts = [base[:40], base[:300], base[:300] + base[900:950], base[500:520], base[:700], base[100:400],
+               base[:300] + base[1000:1100], base[1200:1210]]
+    outs: list = [None] * len(prompts)
+
+    def run(i):
+        outs[i] = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": prompts[i], "max_tokens": 8,
+                                                         "temperature": 0, "return_token_ids": True,
+                                                         "ignore_eos": True})
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for ids, (status, out) in zip(prompts, outs):
+        assert status == 200, out
+        assert out["choices"][0]["token_ids"] == hf_greedy(hf, ids, 8)
+    # Nothing held afterwards: prompts leave the pool (their blocks only stay as evictable cache).
+    rep = wait_for(lambda: (r := load_reports(cluster, "prefill")["prefill-0"]).queue_depth == 0
+                   and r.kv_utilization == 0.0 and r, 30, "the prefill pool to drain")
+    assert rep.queue_tokens == 0
+
+
+def test_bad_prompts_and_hints_are_refused_without_disturbing_anyone(cluster, nats_server, hf):
+    """Out-of-vocabulary ids straight on NATS get a 400-style refusal; a malformed or oversized hint is
+    ignored; the worker keeps serving."""
+    async def go():
+        nc = await nats.connect(**nats_server.creds.connect_kwargs())
+        try:
+            req = PrefillRequest(request_id="bad-1", model=MODEL, prompt_token_ids=[1, 2, 10 ** 7],
+                                 sampling=SamplingParams(max_tokens=2), seed=1, decode_worker_id="decode-0")
+            msg = await nc.request(Subjects.prefill_worker(cluster.scope, MODEL, "prefill-0"), req.encode(), timeout=5)
+            ack = Ack.decode(msg.data)
+            await nc.publish(Subjects.preposition(cluster.scope, "prefill-0"), b'{"not": "a hint"}')
+            await nc.publish(Subjects.preposition(cluster.scope, "prefill-0"),
+                             PrepositionHint(request_id="h", model=MODEL, token_ids=[5] * 100_000).encode())
+            await nc.flush()
+            return ack
+        finally:
+            await nc.close()
+
+    ack = asyncio.run(go())
+    assert not ack.accepted and ack.status == 400 and "0.." in ack.error
+    tok = hf[0]
+    ids = tok.encode("One plus one is", add_special_tokens=False)
+    s, out = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0,
+                                                    "return_token_ids": True, "ignore_eos": True})
+    assert s == 200 and out["choices"][0]["token_ids"] == hf_greedy(hf, ids, 4)
+
+
+def test_prompt_larger_than_the_prefill_pool_fails_clearly_and_others_go_on(nats_server, model_dir, hf):
+    tok = hf[0]
+    # 8 blocks of 16 tokens: room for 128 tokens in flight
+    per_block = 30 * 2 * 3 * 16 * 64 * 4
+    with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds,
+                      worker_args={"prefill": ["--kv-capacity-bytes", str(16 * per_block)]}) as c:
+        big = tok.encode(LONG, add_special_tokens=False)[:400]
+        s, out = post(c.url + "/v1/completions", {"model": MODEL, "prompt": big, "max_tokens": 2})
+        assert s == 503 and "does not fit the prefill KV pool" in out["error"]["message"]
+        small = tok.encode("Two plus two is", add_special_tokens=False)
+        s, out = post(c.url + "/v1/completions", {"model": MODEL, "prompt": small, "max_tokens": 3, "temperature": 0,
+                                                  "return_token_ids": True, "ignore_eos": True})
+        assert s == 200 and out["choices"][0]["token_ids"] == hf_greedy(hf, small, 3)
+
+
+def test_router_sends_a_known_prefix_to_the_worker_that_holds_it(nats_server, model_dir, hf):
+    """Two prefill workers: after one computed a long prefix, requests that share it go to that worker
+    (the queue group alone would split them about evenly)."""
+    tok = hf[0]
+    with LocalCluster(str(model_dir), prefill_workers=2, decode_workers=1, nats=nats_server.creds,
+                      worker_args={"front": ["--no-preposition"]}) as c:
+        prefix = tok.encode(LONG, add_special_tokens=False)[:600]
+        first = post(c.url + "/v1/completions", {"model": MODEL, "prompt": prefix + [13], "max_tokens": 1})[1]
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        holder = wait_for(lambda: [w for w, r in load_reports(c, "prefill").items() if len(r.cached_blocks) >= 37],
+                          30, "a prefill worker to announce the prefix")
+        assert len(holder) == 1
+        for i in range(6):
+            ids = prefix + tok.encode(f" Question {i}: what happened next?", add_special_tokens=False)
+            s, out = post(c.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 2,
+                                                      "temperature": 0, "return_token_ids": True, "ignore_eos": True})
+            assert s == 200, out
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 592, (i, out["usage"])
+            assert out["choices"][0]["token_ids"] == hf_greedy(hf, ids, 2)
