@@ -88,18 +88,20 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_tabl
     starts = query_start.tolist()
     _check_values(t, block_size, block_tables.shape[1], lens, starts)
     group = q_heads // kv_heads
+    # [2, kv_heads, num_blocks, block_size, head_dim]: a view (no copy) in which gathering a sequence's
+    # blocks along dim 2 yields its K and V already as [kv_heads, tokens, head_dim], in ONE copy of just
+    # its blocks (gathering [nb, 2, kvh, bs, D] and then permuting copied the sequence's KV twice)
+    kv_by_head = kv_pool.permute(1, 2, 0, 3, 4)
     out = torch.empty_like(q)
     for i in range(s):
         q0, q1, length = starts[i], starts[i + 1], lens[i]
         n = q1 - q0
         if n == 0:
             continue
-        blocks = block_tables[i, : -(-length // block_size)].to(device=kv_pool.device, dtype=torch.int64)
-        # [nb, 2, kvh, bs, D] -> K, V each [kvh, L, D]: one gather, then views of the sequence's tokens
-        kv = kv_pool[blocks].float()
-        # [kvh, nb*bs, D] views need a copy from the block layout; take only the sequence's tokens
-        k = kv[:, 0].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
-        v = kv[:, 1].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
+        nb = -(-length // block_size)
+        blocks = block_tables[i, :nb].to(device=kv_pool.device, dtype=torch.int64)
+        kv = kv_by_head.index_select(2, blocks).view(2, kv_heads, nb * block_size, head_dim)[:, :, :length].float()
+        k, v = kv[0], kv[1]
         # GQA without copying K/V per query head: the `group` query heads of a KV head become rows of
         # one matmul. Query head h = kvh * group + g reads KV head kvh (as repeat_interleave would).
         qs = q[q0:q1].float().view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, head_dim)
