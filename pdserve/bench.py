@@ -3,10 +3,15 @@
 For each prompt: TTFT and decode tokens/s of both, and the KV handoff (bytes, seconds, GB/s)
 with its size relative to TTFT. Torch runs one thread everywhere (workers and the baseline):
 on these 2-core machines two threads made small matmuls slower under load.
+
+`--inprocess` leaves the serving path out: batch-1 decode of `PagedRunner.step` against `generate`
+in one process, the two interleaved repeat by repeat so both see the same neighbours, timed in CPU
+seconds of this thread (what the work cost) and wall seconds.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -75,6 +80,75 @@ def _pdserve(url: str, model: str, ids: list[int], n: int, repeats: int) -> dict
             "kv_bytes": statistics.median(kv_b), "kv_handoff_s": statistics.median(kv_s)}
 
 
+class _Clock:
+    """CPU seconds of this thread and wall seconds of a block."""
+
+    def __enter__(self):
+        self.cpu0, self.wall0 = time.thread_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.cpu, self.wall = time.thread_time() - self.cpu0, time.perf_counter() - self.wall0
+
+
+def _inprocess(model_dir: Path, prompts: dict[str, list[int]], n: int, repeats: int) -> list[dict]:
+    """Per prompt: batch-1 decode tokens/s of `PagedRunner.step` and of `generate` (median of `repeats`).
+
+    `generate` runs with no stop token (exactly n new tokens, greedy), so both sides do the same work
+    and their tokens must agree; its decode time is that of n tokens minus that of 1 (the prefill).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine.runner import PagedRunner
+    from pdserve.runtime import DEFAULT_BLOCK_SIZE
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    configs = {}
+    for k in (1, n):
+        configs[k] = copy.deepcopy(model.generation_config)
+        configs[k].update(eos_token_id=[], do_sample=False, pad_token_id=0, max_new_tokens=k, min_new_tokens=k)
+    longest = max(len(ids) for ids in prompts.values())
+    runner = PagedRunner(model_dir, num_blocks=-(-(longest + n) // DEFAULT_BLOCK_SIZE) + 8)
+    rows = []
+    for name, ids in prompts.items():
+        x, mask = torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)
+        hf_cpu, hf_wall, pd_cpu, pd_wall, same = [], [], [], [], True
+        for r in range(repeats):
+            with torch.inference_mode():
+                with _Clock() as one:
+                    model.generate(x, attention_mask=mask, generation_config=configs[1])
+                with _Clock() as all_:
+                    hf_tokens = model.generate(x, attention_mask=mask, generation_config=configs[n])[0, len(ids):].tolist()
+            hf_cpu.append(all_.cpu - one.cpu)
+            hf_wall.append(all_.wall - one.wall)
+            sid = ("bench", name, r)
+            tokens = [int(runner.prefill(sid, ids, reuse_prefix=False).argmax())]
+            with _Clock() as dec:
+                for _ in range(n - 1):
+                    (logits,) = runner.step([(sid, [tokens[-1]])])
+                    tokens.append(int(logits[-1].argmax()))
+            runner.free(sid)
+            pd_cpu.append(dec.cpu)
+            pd_wall.append(dec.wall)
+            same = same and tokens == hf_tokens
+            print(f"  {name} repeat {r + 1}/{repeats}: HF {(n - 1) / hf_cpu[-1]:.2f}, paged {(n - 1) / dec.cpu:.2f} "
+                  f"decode tok/s (CPU time)", flush=True)
+        rate = {key: (n - 1) / statistics.median(v)
+                for key, v in (("hf_cpu", hf_cpu), ("hf_wall", hf_wall), ("pd_cpu", pd_cpu), ("pd_wall", pd_wall))}
+        rows.append({"prompt": name, "prompt_tokens": len(ids), "decode_tok_s": rate,
+                     "ratio_cpu": rate["pd_cpu"] / rate["hf_cpu"], "ratio_wall": rate["pd_wall"] / rate["hf_wall"],
+                     "same_tokens": same})
+    hdr = (f"{'prompt':<10}{'tokens':>7} | {'HF cpu':>7} {'paged':>7} {'ratio':>6} | {'HF wall':>7} {'paged':>7} "
+           f"{'ratio':>6} | same tokens")
+    print("batch-1 decode tok/s, in process (PagedRunner.step vs generate)\n" + hdr + "\n" + "-" * len(hdr))
+    for row in rows:
+        r = row["decode_tok_s"]
+        print(f"{row['prompt']:<10}{row['prompt_tokens']:>7} | {r['hf_cpu']:>7.2f} {r['pd_cpu']:>7.2f} "
+              f"{row['ratio_cpu']:>5.2f}x | {r['hf_wall']:>7.2f} {r['pd_wall']:>7.2f} {row['ratio_wall']:>5.2f}x | "
+              f"{row['same_tokens']}")
+    return rows
+
+
 def main(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -86,12 +160,21 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--engine", default="auto", choices=["auto", "paged", "dense"], help="decode engine (pdserve decode --engine)")
+    p.add_argument("--inprocess", action="store_true",
+                   help="no cluster: batch-1 PagedRunner.step vs generate in this process (the engine's decode alone)")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     model_dir = resolve_model(a.model)
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = _prompts(tok)
+    if a.inprocess:
+        print(f"pdserve bench --inprocess: {model_dir.name}, {a.tokens} tokens/request, median of {a.repeats}, "
+              f"torch threads 1", flush=True)
+        rows = _inprocess(model_dir, prompts, a.tokens, a.repeats)
+        if a.json:
+            Path(a.json).write_text(json.dumps(rows, indent=2))
+        return 0
     print(f"pdserve bench: {model_dir.name}, {a.tokens} tokens/request, median of {a.repeats}, torch threads 1, "
           f"decode engine {a.engine}",
           flush=True)
