@@ -148,12 +148,13 @@ class Bench:
         return stats
 
 
-def run_sizes(sizes_mib: list[int], loop, bench: Bench, quick: bool) -> list[dict]:
+def run_sizes(sizes_mib: list[int], loop, bench: Bench, quick: bool, only: list[str] | None = None,
+              reps: int | None = None) -> list[dict]:
     rows = []
     for mib in sizes_mib:
         kv = make_kv(mib * MiB)
         nbytes = kv.nbytes
-        reps = 5 if mib <= 64 else 2 if mib <= 256 else 1
+        rounds = reps or (5 if mib <= 64 else 2 if mib <= 256 else 1)
         methods = {
             "raw TCP": lambda: raw_tcp(kv),
             "memcpy": lambda: memcpy(kv),
@@ -168,12 +169,14 @@ def run_sizes(sizes_mib: list[int], loop, bench: Bench, quick: bool) -> list[dic
             # nats-py's object store moves ~0.01 GB/s here (128 KiB chunks, one JetStream ack each): a
             # 256 MiB object takes minutes. It is the offload tier, not a handoff path; measured at 16 MiB.
             del methods["object store"]
+        if only:  # the references always run: every ratio is against this run's own raw TCP and memcpy
+            methods = {k: v for k, v in methods.items() if k in only or k in ("raw TCP", "memcpy")}
         slow: set = set()
         res: dict = {}
         best: dict = {}
         # Rounds that run every method once, best of the rounds per method: on a shared machine the load
         # drifts, and interleaving keeps the ratios fair. Round 0 is a warm-up (connections, buckets).
-        for rnd in range(reps + 1):
+        for rnd in range(rounds + 1):
             for name, fn in methods.items():
                 if "error" in res.get(name, {}) or (name in slow and rnd != 1):
                     continue
@@ -324,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft", action="store_true", help="also KV-ready time of a 2,000-token prefill on the real "
                     "model, layer streaming vs send-after-prefill")
     ap.add_argument("--only-model", action="store_true", help="skip the transport table (with --ttft/--accuracy)")
+    ap.add_argument("--methods", help="comma-separated subset of the table's methods, e.g. 'direct TCP,shm' "
+                    "(raw TCP and memcpy always run)")
+    ap.add_argument("--reps", type=int, help="measured rounds per size (default 5 / 2 / 1 by size); the best counts")
+    ap.add_argument("--no-bytes", action="store_true", help="skip the int8 wire-bytes measurement on the real model")
+    ap.add_argument("--no-streaming", action="store_true", help="skip the layer-streaming comparison")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
 
@@ -348,15 +356,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"{t['layer_streamed_s']:.2f} s when layers stream from hooks")
         if args.only_model:
             sizes = []
-        report["sizes"] = run_sizes(sizes, loop, bench, quick=True)
+        only = [m.strip() for m in args.methods.split(",")] if args.methods else None
+        report["sizes"] = run_sizes(sizes, loop, bench, quick=True, only=only, reps=args.reps)
         if sizes:
             print_table(report["sizes"])
-        report["bytes"] = wire_byte_ratios()
-        b = report["bytes"]
-        print(f"\nwire bytes, int8 on the real default model's KV ({b['texts']} texts, {b['kv_tokens']} tokens; "
-              f"payload + one float32 scale per token/head, then deflate): {b['int8_vs_bf16']:.2f}x fewer than bf16, "
-              f"{b['int8_vs_fp32']:.2f}x fewer than fp32 (before deflate {b['int8_vs_bf16_no_deflate']:.2f}x and "
-              f"{b['int8_vs_fp32_no_deflate']:.2f}x)")
+        b = report["bytes"] = {} if args.no_bytes else wire_byte_ratios()
+        if b:
+            print(f"\nwire bytes, int8 on the real default model's KV ({b['texts']} texts, {b['kv_tokens']} tokens; "
+                  f"payload + one float32 scale per token/head, then deflate): {b['int8_vs_bf16']:.2f}x fewer than bf16, "
+                  f"{b['int8_vs_fp32']:.2f}x fewer than fp32 (before deflate {b['int8_vs_bf16_no_deflate']:.2f}x and "
+                  f"{b['int8_vs_fp32_no_deflate']:.2f}x)")
+        if args.no_streaming:
+            sizes = []
         if sizes:
             print(f"\nlayer streaming: {args.stream_mib} MiB over {LAYOUT.num_layers} layers, "
                   f"{args.stream_delay_ms:.0f} ms simulated compute per layer")

@@ -29,7 +29,7 @@ import torch
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout
 from pdserve.kvtransfer.protocol import HandoffOffer, HandoffReply, Subjects, TransferFailed
 from pdserve.kvtransfer.tcp import (
-    COMPRESSIONS, KVReceiver, TransferError, TransferHeader, _aiter, host_id, send_kv_stream,
+    COMPRESSIONS, KVReceiver, TransferError, TransferHeader, _aiter, host_id, send_kv, send_kv_stream,
 )
 
 log = logging.getLogger("pdserve.kvtransfer.channel")
@@ -157,6 +157,9 @@ class KVSendChannel:
 
             return await self._guard(header, send_kv_objstore(self.nc, self._fit(reply, header), kv,
                                                               timeout=self.timeout))
+        if reply.transport in ("tcp", "shm"):  # every layer at hand: one pipeline, no per-layer hand-offs
+            return await self._guard(header, send_kv(reply.data_addr, self._fit(reply, header), kv,
+                                                     timeout=self.timeout, connect_timeout=self.connect_timeout))
         return await self.send_stream(reply, header, _aiter(kv.layers))
 
     async def send_stream(self, reply: HandoffReply, header: TransferHeader,

@@ -10,10 +10,11 @@ kinds: HELLO (JSON `TransferHeader`), CHUNK (`length` bytes of one layer's wire 
 `offset`, crc32 of the payload), SCALES (float32 scales `[num_blocks * block_size, 2, kv_heads]` of a
 compressed layer: one per (token, K/V, head), see `to_token_groups`), ZCHUNK (a CHUNK of a compressed
 layer's int8/fp8 bytes, deflated: u64 uncompressed length, then raw deflate of the bytes at `offset`;
-crc32 of the frame payload as sent; see `_deflate`), SHM (no payload: layer `layer` lies in the
-shared-memory segment at `offset`, `length` bytes; crc32 of those bytes, or 0 when the header says
-`shm_verify=false`), END (JSON: chunk count and bytes), ACK (JSON from the receiver: ok or an error
-that names what was wrong). Kind 7 is natsdata's OBJECT.
+crc32 of the frame payload as sent; see `_deflate`), GRANT (JSON from the receiver after a shm
+HELLO: the pooled shared-memory segment to write into, see `kvtransfer.shm`), SHM (no payload: layer
+`layer` lies in the granted segment at `offset`, `length` bytes; crc32 of those bytes, or 0 when the
+header says `shm_verify=false`), END (JSON: chunk count and bytes), ACK (JSON from the receiver: ok
+or an error that names what was wrong). Kind 7 is natsdata's OBJECT.
 
 Layers may arrive in any order (layer streaming sends each as prefill computes it); within a layer
 chunks arrive in offset order. Large layers go as several CHUNKs so the checksum of one overlaps the
@@ -28,6 +29,7 @@ import json
 import logging
 import mmap
 import os
+import queue
 import secrets
 import select
 import socket
@@ -41,6 +43,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
+from pdserve.kvtransfer.shm import POOL_PREFIX, Lease, ShmPool, map_for_write, reap_if_orphaned, sweep_orphans
 
 log = logging.getLogger("pdserve.kvtransfer.tcp")
 
@@ -48,7 +51,7 @@ MAGIC = b"PDKV"
 FRAME_VERSION = 2
 _HDR = struct.Struct("!4sBBHIQQ")
 HELLO, CHUNK, END, ACK, SCALES, SHM = 1, 2, 3, 4, 5, 6
-ZCHUNK = 8
+ZCHUNK, GRANT = 8, 9
 _ZLEN = struct.Struct("!Q")
 MAX_CONTROL_FRAME = 1 << 20
 MAX_CHUNK = 1 << 31
@@ -374,15 +377,16 @@ def unlink_quietly(path: str) -> bool:
 
 
 def sweep_stale_segments(max_age_s: float = 600.0) -> int:
-    """Remove transfer segments older than `max_age_s` (both sides of a transfer died). Returns the count."""
-    n = 0
+    """Remove per-transfer segments older than `max_age_s` (both sides of a transfer died), and pool
+    segments whose owner died (see `kvtransfer.shm`). Returns the count."""
+    n = sweep_orphans(SHM_DIR)
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
-        return 0
+        return n
     now = time.time()
     for name in names:
-        if name.startswith(SHM_PREFIX):
+        if name.startswith(SHM_PREFIX) and not name.startswith(POOL_PREFIX):
             p = os.path.join(SHM_DIR, name)
             try:
                 if now - os.stat(p).st_mtime > max_age_s and unlink_quietly(p):
@@ -451,22 +455,26 @@ class _BlockingSender:
                 self.refused = True  # it hung up: its ACK (if any) says why
                 return
 
-    def read_ack(self) -> dict:
+    def read_ack(self, want: int = ACK) -> dict:
+        """The receiver's next control frame: its ACK, or (`want=GRANT`) the shm segment it lends us.
+        A refusal (an ACK that is not ok) raises TransferError with the receiver's reason."""
         try:
             hdr = _recv_exact(self.sock, bytearray(_HDR.size))
             kind, layer, crc, _, length = _parse_header(hdr, MAX_CONTROL_FRAME)
             payload = _recv_exact(self.sock, bytearray(length))
         except socket.timeout:
-            raise TransferError(f"decode data port {self.addr} did not acknowledge within {self.timeout:.1f} s") \
+            raise TransferError(f"decode data port {self.addr} did not answer within {self.timeout:.1f} s") \
                 from None
         except (TransferError, OSError) as e:
             raise TransferError(f"connection to {self.addr} lost: {e}") from None
-        if kind != ACK:
-            raise TransferError(f"expected ACK, got frame kind {kind}")
-        ack = json.loads(bytes(payload))
-        if not ack.get("ok"):
-            raise TransferError(f"receiver refused KV: {ack.get('error')}")
-        return ack
+        if _crc(payload) != crc:
+            raise TransferError(f"corrupt control frame from {self.addr}: crc32 mismatch")
+        msg = json.loads(bytes(payload))
+        if kind == ACK and not msg.get("ok"):
+            raise TransferError(f"receiver refused KV: {msg.get('error')}")
+        if kind != want:
+            raise TransferError(f"expected {'ACK' if want == ACK else 'GRANT'}, got frame kind {kind}")
+        return msg
 
 
 def _recv_exact(sock: socket.socket, buf) -> memoryview:
@@ -506,31 +514,84 @@ async def send_kv_stream(addr: str, header: TransferHeader, layers: AsyncIterato
 
     Every layer of the header's layout must come exactly once, in any order. Returns the ACK.
     """
-    host, _, port = addr.rpartition(":")
     loop = asyncio.get_running_loop()
+    feed: queue.SimpleQueue = queue.SimpleQueue()
+    held: list[socket.socket] = []  # the thread's socket, so an abandoned transfer can be woken and closed
+    if _all_at_once is not None:
+        for item in _all_at_once:
+            feed.put(item)
+        feed.put(None)
+    # One worker-thread job does the whole transfer (connect, HELLO, GRANT, layers, END, ACK); this side
+    # only hands it layers. A thread hop per layer cost ~0.5 ms each on a loaded 2-core host.
+    opened = loop.create_future()  # set once the receiver accepted HELLO (and granted shm)
+
+    def on_open() -> None:
+        loop.call_soon_threadsafe(lambda: opened.done() or opened.set_result(None))
+
+    job = loop.run_in_executor(_POOL, _send_blocking, addr, header, feed, held, timeout, connect_timeout,
+                               chunk_bytes, on_open)
     try:
-        sock = await asyncio.wait_for(loop.run_in_executor(
-            _POOL, lambda: socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout)),
-            connect_timeout + 1)
-    except (OSError, asyncio.TimeoutError) as e:
+        if _all_at_once is None:
+            # the connection stands before the first layer is taken: an unreachable receiver fails now, and
+            # a sender that dies mid-stream leaves a broken connection, not silence
+            await asyncio.wait({opened, job}, return_when=asyncio.FIRST_COMPLETED)
+            async for index, layer in layers:
+                if job.done():  # refused or broken: its result says why
+                    break
+                feed.put((index, layer))
+            feed.put(None)
+        return await job
+    except BaseException:
+        # the layers' producer failed or we were cancelled: the receiver must see a broken stream, now
+        feed.put(_ABORT)
+        for sock in held:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())  # its error is not news
+        raise
+
+
+_ABORT = object()
+
+
+def _send_blocking(addr: str, header: TransferHeader, feed: queue.SimpleQueue, held: list, timeout: float,
+                   connect_timeout: float, chunk_bytes: int, on_open: Callable[[], None]) -> dict:
+    """The sending side of one transfer, in a worker thread: layers come from `feed` until None."""
+    host, _, port = addr.rpartition(":")
+    try:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout)
+    except OSError as e:
         raise TransferError(f"cannot reach decode data port {addr}: {e or 'timeout'}") from None
+    held.append(sock)
     sock.settimeout(timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     tx = _BlockingSender(sock, addr, timeout)
-    shm: tuple[str, mmap.mmap] | None = None
+    grant: dict | None = None
+    mm: mmap.mmap | None = None
     try:
-        hello = [(HELLO, 0, 0, memoryview(header.model_dump_json().encode()))]
-        await loop.run_in_executor(_POOL, tx.send_frames, hello)
-        if header.transport == "shm":
-            shm = _create_segment(header)
-        mm = shm[1] if shm is not None else None
-
-        def send_layers(batch: list[tuple[int, torch.Tensor]], last: bool) -> None:
-            # one worker-thread call per batch: the whole KV at once, or one layer when streaming
+        tx.send_frames([(HELLO, 0, 0, memoryview(header.model_dump_json().encode()))])
+        if header.transport == "shm" and not tx.refused:
+            grant = tx.read_ack(GRANT)
+            try:
+                mm = map_for_write(SHM_DIR, grant["segment"], header.total_bytes, bool(grant.get("warm")))
+            except (OSError, ValueError, KeyError) as e:
+                raise TransferError(f"cannot map the shared-memory segment decode granted: {e!r}") from None
+        on_open()
+        done = False
+        while not done and not tx.refused:
+            batch = [feed.get()]
+            while not feed.empty():  # whatever else is ready goes in the same pipeline
+                batch.append(feed.get())
+            if _ABORT in batch:
+                raise TransferError("sender abandoned the transfer")
+            if None in batch:
+                batch, done = batch[:batch.index(None)], True
             if mm is not None:
                 for index, layer in batch:
                     if tx.refused:
-                        return
+                        break
                     tx.send_frames(_write_shm_layer(mm, index, layer, header), crcs=False)
                     tx.sent += 1
             elif batch:
@@ -538,43 +599,23 @@ async def send_kv_stream(addr: str, header: TransferHeader, layers: AsyncIterato
                 tx.send_frames([p for index, layer in batch
                                 for p in layer_wire_pieces(index, layer, header.compression, chunk_bytes)])
                 tx.sent += len(batch)
-            if last and not tx.refused:
-                end = json.dumps({"chunks": tx.sent, "bytes": header.total_bytes}).encode()
-                tx.send_frames([(END, 0, 0, memoryview(end))])
-
-        if _all_at_once is not None:
-            await loop.run_in_executor(_POOL, send_layers, _all_at_once, True)
-        else:
-            async for index, layer in layers:
-                await loop.run_in_executor(_POOL, send_layers, [(index, layer)], False)
-                if tx.refused:
-                    break
-            await loop.run_in_executor(_POOL, send_layers, [], True)
-        return await loop.run_in_executor(_POOL, tx.read_ack)
+        if not tx.refused:
+            end = json.dumps({"chunks": tx.sent, "bytes": header.total_bytes}).encode()
+            tx.send_frames([(END, 0, 0, memoryview(end))])
+        return tx.read_ack()
     finally:
         try:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         sock.close()
-        if shm is not None:
-            shm[1].close()
-            unlink_quietly(shm[0])  # the receiver unlinks it on open; this covers every failure
-
-
-def _create_segment(header: TransferHeader) -> tuple[str, mmap.mmap]:
-    path = shm_path(header.transfer_token)
-    size = max(header.total_bytes, 1)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        # No MAP_POPULATE: measured here it costs more (0.15 s per 256 MiB) than the faults the copy takes.
-        return path, mmap.mmap(fd, size)
-    except BaseException:
-        unlink_quietly(path)
-        raise
-    finally:
-        os.close(fd)
+        if mm is not None:
+            mm.close()
+        if grant is not None:
+            try:  # a receiver that died mid-transfer leaves its segment: nobody holds its lock any more
+                reap_if_orphaned(SHM_DIR, grant["segment"])
+            except (OSError, ValueError, KeyError):
+                pass
 
 
 def _write_shm_layer(mm: mmap.mmap, index: int, layer: torch.Tensor,
@@ -626,11 +667,13 @@ class KVReceiver:
     """The decode side's data server: accepts KV streams for transfers it agreed to, nothing else.
 
     Each connection is served by blocking `recv_into` in a worker thread, straight into the
-    preallocated layer tensors; a socket timeout of `stall_timeout` bounds every read.
+    preallocated layer tensors; a socket timeout of `stall_timeout` bounds every read. Shared-memory
+    transfers land in segments of the receiver's own pool (`kvtransfer.shm`), kept mapped between
+    transfers; at most `shm_pool_bytes` of idle segments are kept (default: $PDSERVE_SHM_POOL_BYTES or 2 GiB).
     """
 
     def __init__(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 stall_timeout: float = 10.0):
+                 stall_timeout: float = 10.0, shm_pool_bytes: int | None = None):
         self.layout = layout
         self.host, self.port = host, port
         self.advertise_host = advertise_host
@@ -642,6 +685,7 @@ class KVReceiver:
         self._tasks: set[asyncio.Task] = set()
         self.bytes_received = 0
         self.active = 0
+        self.shm_pool = ShmPool(SHM_DIR, **({} if shm_pool_bytes is None else {"max_idle_bytes": shm_pool_bytes}))
 
     @property
     def address(self) -> str:
@@ -677,6 +721,7 @@ class KVReceiver:
                 pass
         for token in list(self._expected):
             self.cancel(token, "receiver shutting down")
+        self.shm_pool.close()
 
     def expect(self, request_id: str, sender_id: str, sender_generation: int, layout: KVLayout, num_tokens: int,
                *, transport: str = "tcp", compression: str = "none") -> str:
@@ -688,8 +733,6 @@ class KVReceiver:
         fut = asyncio.get_running_loop().create_future()
         exp = Expected(request_id, sender_id, sender_generation, layout, num_tokens, fut,
                        transport=transport, compression=compression)
-        if transport == "shm":
-            exp.cleanup.append(lambda p=shm_path(token): unlink_quietly(p))
         self._expected[token] = exp
         return token
 
@@ -840,6 +883,7 @@ class KVReceiver:
         sock.settimeout(self.stall_timeout)
         exp: Expected | None = None
         token = None
+        leases: list[Lease] = []  # the shm segment granted to this transfer, if any
         try:
             try:
                 hdr = await loop.run_in_executor(_POOL, self._read_control, sock, HELLO)
@@ -849,10 +893,14 @@ class KVReceiver:
                     raise TransferError(f"malformed transfer header: {e}") from None
                 token = header.transfer_token
                 exp, asm = self.begin(header, "tcp")
-                await loop.run_in_executor(_POOL, self._receive_body, sock, asm, token)
+                await loop.run_in_executor(_POOL, self._receive_body, sock, asm, leases)
                 stats = self.complete(exp, asm)
+                for lease in leases:
+                    lease.succeeded()  # back to the pool once decode has let go of the layers
             except Exception as e:  # a refusal (TransferError, LayoutMismatch) or our own bug: say so, never hang
                 reason = str(e) if isinstance(e, (TransferError, LayoutMismatch)) else f"receiver error: {e!r}"
+                for lease in leases:
+                    lease.discard()  # the sender may still write into it: never reused
                 if token is not None:
                     self.fail(token, reason)
                 log.warning("kv transfer refused: %s", reason)
@@ -889,10 +937,29 @@ class KVReceiver:
             raise TransferError(f"expected {'HELLO' if want == HELLO else 'END'}, got frame kind {kind}")
         return payload
 
-    def _receive_body(self, sock: socket.socket, asm: Assembly, token: str) -> None:
-        """Frames until END, each payload received in place; crc of chunk i checked while chunk i+1 arrives."""
+    def _grant(self, sock: socket.socket, header: TransferHeader) -> Lease:
+        """Lease a pool segment for a shm transfer and name it to the sender (GRANT frame)."""
+        try:
+            lease = self.shm_pool.lease(header.total_bytes)
+        except (OSError, RuntimeError) as e:
+            raise TransferError(f"no shared memory for {header.total_bytes} B of KV: {e}") from None
+        try:
+            hdr, payload = _frame(GRANT, json.dumps({"segment": lease.name, "bytes": lease.nbytes,
+                                                      "warm": lease.warm}).encode())
+            sock.sendall(hdr + payload)
+        except OSError as e:
+            lease.discard()
+            raise TransferError(f"connection lost: {e}") from None
+        return lease
+
+    def _receive_body(self, sock: socket.socket, asm: Assembly, leases: list) -> None:
+        """Frames until END, each payload received in place; crc of chunk i checked while chunk i+1 arrives.
+        A shm transfer first gets its segment (GRANT), appended to `leases` for the caller to settle."""
         pending = None  # (future crc, expected crc, kind, layer, length)
-        mm: mmap.mmap | None = None
+        lease = None
+        if asm.header.transport == "shm":
+            lease = self._grant(sock, asm.header)
+            leases.append(lease)
 
         def settle():
             nonlocal pending
@@ -913,16 +980,13 @@ class KVReceiver:
                 return
             if kind == SHM:
                 settle()
-                if asm.header.transport != "shm":
+                if lease is None:
                     raise TransferError("shared-memory frame in a TCP transfer")
-                if mm is None:
-                    mm = self._map_segment(token, asm.header.total_bytes)
-                if offset + length > len(mm):
+                if offset + length > lease.nbytes:
                     raise TransferError(f"layer {layer} lies outside the shared-memory segment")
-                if asm.header.shm_verify and _crc(memoryview(mm)[offset:offset + length]) != crc:
+                view = lease.view(offset, length)
+                if asm.header.shm_verify and _crc(memoryview(view.numpy())) != crc:
                     raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
-                view = torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=offset) if length else \
-                    torch.empty(0, dtype=torch.uint8)
                 asm.adopt(layer, view)
                 continue
             if kind == ZCHUNK:  # inflated into place: settled at once (compressed transfers are CPU-bound)
@@ -938,21 +1002,6 @@ class KVReceiver:
             pending = (_CRC_POOL.submit(_crc, mv), crc, kind, layer, length)
             if kind == CHUNK and offset + length == asm.wire_bytes and asm.eager():
                 settle()  # a streaming consumer waits: hand the finished layer over now
-
-    def _map_segment(self, token: str, size: int) -> mmap.mmap:
-        path = shm_path(token)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            raise TransferError("shared-memory segment of this transfer is missing") from None
-        try:
-            if os.fstat(fd).st_size != max(size, 1):
-                raise TransferError(f"shared-memory segment is {os.fstat(fd).st_size} B, expected {size} B")
-            mm = mmap.mmap(fd, max(size, 1))
-        finally:
-            os.close(fd)
-            unlink_quietly(path)  # the mapping lives on; no name is left to leak
-        return mm
 
     def _send_ack(self, sock: socket.socket, ack: dict) -> None:
         try:

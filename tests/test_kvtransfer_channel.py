@@ -23,6 +23,7 @@ from pdserve.kvtransfer.channel import KVReceiveChannel, KVSendChannel
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
 from pdserve.kvtransfer.natsdata import DEFAULT_BUCKET, _msg
 from pdserve.kvtransfer.protocol import HandoffOffer, Subjects, TransferFailed
+from pdserve.kvtransfer.shm import owned_elsewhere
 from pdserve.kvtransfer.tcp import (
     CHUNK, END, HELLO, SHM_DIR, SHM_PREFIX, KVReceiver, TransferError, TransferHeader, from_token_groups, host_id,
     layer_wire_pieces, shm_path, to_token_groups,
@@ -47,7 +48,9 @@ def make_offer(kv: KVBlocks, send: KVSendChannel, **over) -> HandoffOffer:
 
 
 def our_segments() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
+    """Transfer segments, and pool segments of this process or of dead ones (leaks); not the pools of live
+    workers elsewhere on the host (other tests' decode workers keep theirs for reuse)."""
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX) and not owned_elsewhere(SHM_DIR, n)}
 
 
 class Pair:

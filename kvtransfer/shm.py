@@ -1,0 +1,253 @@
+"""The receiver's pool of shared-memory segments for co-located KV handoffs: mapped once, reused.
+
+A fresh tmpfs segment per transfer costs a page fault (and a zeroed page) per 4 KiB on the sender's
+copy, and freeing it again when the KV dies: measured here, that made shared memory a third of
+memcpy. So the receiver (decode) keeps a pool of segments that stay mapped and populated: for a
+transfer it leases one at least as big as the KV and names it to the sender (a GRANT frame); the
+sender maps that range (MAP_POPULATE: the pages exist already, only the page tables are filled) and
+copies each layer in; the receiver hands out tensors that are views into the segment (no copy). The
+segment goes back to the pool when the last of those tensors is freed, never before: a view that
+outlives the transfer keeps its bytes.
+
+Leaks: every segment's file is flock-ed (shared) by the process that owns it for as long as it lives,
+so a segment whose owner died is recognisable — nobody holds its lock — and is removed by the next
+receiver that starts on the host (`sweep_orphans`) or by a sender whose transfer into it failed
+(`reap_if_orphaned`). A failed transfer's segment is never reused (the sender may still be writing
+into it): it is unlinked at once. Idle segments beyond `max_idle_bytes` are unlinked, oldest first.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+log = logging.getLogger("pdserve.kvtransfer.shm")
+
+POOL_PREFIX = "pdkv-pool-"  # under the transfer segments' prefix "pdkv-", so one listing finds both
+MIN_SEGMENT = 1 << 20
+DEFAULT_MAX_IDLE_BYTES = int(os.environ.get("PDSERVE_SHM_POOL_BYTES", 2 << 30))
+
+
+def _size_class(nbytes: int) -> int:
+    """Segment size for `nbytes`: the next power of two (>= 1 MiB), so segments are reusable across sizes.
+    Only the pages a transfer touches are ever allocated, so the rounding costs address space, not memory."""
+    return max(MIN_SEGMENT, 1 << max(0, nbytes - 1).bit_length())
+
+
+class _Segment:
+    """One pool segment: its name, size, the owner's mapping, and the fd that holds the owner's lock."""
+
+    def __init__(self, directory: str, size: int):
+        self.name = f"{POOL_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = os.path.join(directory, self.name)
+        self.size = size
+        self.warm = False  # pages already allocated by an earlier transfer
+        self.discarded = False
+        # created under a name the sweepers ignore, locked, then renamed: never visible unlocked
+        tmp = os.path.join(directory, "." + self.name)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+            os.rename(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            _unlink(tmp)
+            raise
+        self.fd = fd
+
+    def unlink(self) -> None:
+        _unlink(self.path)
+
+    def close(self) -> None:
+        """Unlink and let go (the mapping lives on in any view still alive; the kernel frees it after)."""
+        self.unlink()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # views exported: they keep the mapping, the fd and lock go anyway
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Lease:
+    """A pool segment lent to one transfer. `view(offset, n)` → a uint8 tensor over those bytes.
+
+    The tensors keep the lease's buffer alive; when the last one is freed (and the transfer was
+    `succeeded()`), the segment returns to the pool. `discard()` on failure drops it instead.
+    """
+
+    def __init__(self, pool: "ShmPool", seg: _Segment, nbytes: int):
+        self.pool, self.seg, self.nbytes = pool, seg, nbytes
+        self.name, self.size, self.warm = seg.name, seg.size, seg.warm
+        self._state = {"ok": False}  # not the lease itself: a lease dropped unreleased must not pin the array
+        self._array = np.frombuffer(seg.mm, dtype=np.uint8, count=seg.size)
+        weakref.finalize(self._array, pool._returned, seg, self._state)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"{nbytes} bytes at {offset} lie outside the {self.nbytes}-byte lease")
+        return torch.from_numpy(self._array[offset:offset + nbytes])
+
+    def succeeded(self) -> None:
+        """The sender finished writing (END): the segment may be reused once no view of it is alive."""
+        self._state["ok"] = True
+        self._release()
+
+    def discard(self) -> None:
+        """The transfer failed: the segment is never reused (the sender may still write into it)."""
+        if not self._state["ok"] and not self.seg.discarded:
+            self.pool._discard(self.seg)
+        self._release()
+
+    def _release(self) -> None:
+        self._array = None  # the lease's own reference; views hold theirs
+
+
+class ShmPool:
+    """Segments owned by one receiver, in `directory` (the host's shared /dev/shm)."""
+
+    def __init__(self, directory: str, max_idle_bytes: int = DEFAULT_MAX_IDLE_BYTES):
+        self.directory, self.max_idle_bytes = directory, max_idle_bytes
+        self._lock = threading.Lock()
+        self._idle: list[_Segment] = []  # least recently used first
+        self._leased: set[_Segment] = set()
+        self.closed = False
+        self.created = 0  # segments made (a reused one is not counted again)
+
+    def lease(self, nbytes: int) -> Lease:
+        """A segment of at least `nbytes` (the smallest idle one that fits, else a new one)."""
+        want = _size_class(nbytes)
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("shared-memory pool is closed")
+            fits = [s for s in self._idle if s.size >= want]
+            seg = min(fits, key=lambda s: s.size) if fits else None
+            if seg is not None:
+                self._idle.remove(seg)
+                self._leased.add(seg)
+        if seg is None:
+            seg = _Segment(self.directory, want)
+            with self._lock:
+                self.created += 1
+                self._leased.add(seg)
+        return Lease(self, seg, nbytes)
+
+    def _discard(self, seg: _Segment) -> None:
+        with self._lock:
+            seg.discarded = True
+        seg.unlink()
+
+    def _returned(self, seg: _Segment, state: dict) -> None:
+        """The last view of a lease is gone (any thread): pool it again, or close it."""
+        evict: list[_Segment] = []
+        with self._lock:
+            self._leased.discard(seg)
+            if seg.discarded or not state["ok"] or self.closed:
+                evict.append(seg)
+            else:
+                seg.warm = True
+                self._idle.append(seg)
+                while self._idle and sum(s.size for s in self._idle) > self.max_idle_bytes:
+                    evict.append(self._idle.pop(0))
+        for s in evict:
+            s.close()
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(s.size for s in self._idle)
+
+    def close(self) -> None:
+        """Unlink every segment; idle ones are unmapped now, leased ones when their last view is freed."""
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+            leased = list(self._leased)
+        for s in idle:
+            s.close()
+        for s in leased:
+            s.unlink()
+
+
+# --- the sender's side and the sweepers ------------------------------------------------------
+
+
+def check_name(name: str) -> str:
+    """A segment name from a peer: a plain pool name, nothing that walks out of the directory."""
+    if not name.startswith(POOL_PREFIX) or not all(c.isalnum() or c in "-_" for c in name):
+        raise ValueError(f"not a pdserve shared-memory segment name: {name!r}")
+    return name
+
+
+def map_for_write(directory: str, name: str, nbytes: int, warm: bool) -> mmap.mmap:
+    """Map the first `nbytes` of a granted segment. Warm segments are pre-faulted (MAP_POPULATE: their
+    pages exist, so this only fills page tables, far cheaper than a fault per page); cold ones are not
+    (populating fresh tmpfs pages costs more than the copy's own faults)."""
+    fd = os.open(os.path.join(directory, check_name(name)), os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise ValueError(f"segment {name} is {size} B, the transfer needs {nbytes} B")
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if warm else 0)
+        return mmap.mmap(fd, max(nbytes, 1), flags=flags)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def owned_elsewhere(directory: str, name: str) -> bool:
+    """Whether another live process holds pool segment `name` (its owner's lock). Changes nothing."""
+    try:
+        fd = os.open(os.path.join(directory, check_name(name)), os.O_RDONLY)
+    except (OSError, ValueError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails on our own segments too (per open file)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except OSError:
+        return not name.startswith(f"{POOL_PREFIX}{os.getpid()}-")
+    finally:
+        os.close(fd)
+
+
+def reap_if_orphaned(directory: str, name: str) -> bool:
+    """Unlink segment `name` if no live process owns it (nobody holds its lock). → whether it was removed."""
+    path = os.path.join(directory, check_name(name))
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # its owner is alive
+    finally:
+        os.close(fd)
+    return _unlink(path)
+
+
+def sweep_orphans(directory: str) -> int:
+    """Remove pool segments whose owners died (on any process sharing this directory). → count."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(POOL_PREFIX)]
+    except OSError:
+        return 0
+    return sum(reap_if_orphaned(directory, n) for n in names)

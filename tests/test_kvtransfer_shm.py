@@ -1,0 +1,122 @@
+"""The receiver's shared-memory segment pool: reuse, views that outlive a transfer, failures, orphans."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvhelpers import random_kv
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.shm import POOL_PREFIX, ShmPool, owned_elsewhere, sweep_orphans
+from pdserve.kvtransfer.tcp import SHM_DIR, KVReceiver, TransferError, TransferHeader, send_kv, sweep_stale_segments
+
+LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=4, kv_heads=2, head_dim=16, dtype="bfloat16", block_size=8)
+
+
+def header(token: str, kv, **over) -> TransferHeader:
+    fields = dict(transfer_token=token, request_id="r1", sender_id="prefill-a", sender_generation=7,
+                  layout=kv.layout, num_tokens=kv.num_tokens, num_chunks=len(kv.layers), total_bytes=kv.nbytes,
+                  transport="shm")
+    fields.update(over)
+    return TransferHeader(**fields)
+
+
+def pool_files() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(POOL_PREFIX) and not owned_elsewhere(SHM_DIR, n)}
+
+
+async def transfer(rx: KVReceiver, kv):
+    token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens, transport="shm")
+    _, (got, stats) = await asyncio.gather(send_kv(rx.address, header(token, kv), kv), rx.wait(token, 10))
+    return got
+
+
+def test_segments_are_reused_once_the_kv_is_freed_and_never_while_it_lives():
+    a, b, c = (random_kv(LAYOUT, 37, seed=s) for s in (1, 2, 3))
+    before = pool_files()
+
+    async def go():
+        rx = await KVReceiver(LAYOUT).start()
+        got_a = await transfer(rx, a)
+        got_b = await transfer(rx, b)  # a's views are alive: b must not land in a's segment
+        assert rx.shm_pool.created == 2
+        assert all(torch.equal(x, y) for x, y in zip(a.layers, got_a.layers)), "b overwrote a's live KV"
+        assert all(torch.equal(x, y) for x, y in zip(b.layers, got_b.layers))
+        del got_a, got_b
+        gc.collect()
+        assert rx.shm_pool.idle_bytes > 0
+        got_c = await transfer(rx, c)  # reuses a freed segment: no new one
+        assert rx.shm_pool.created == 2
+        assert all(torch.equal(x, y) for x, y in zip(c.layers, got_c.layers))
+        assert len(pool_files() - before) == 2
+        await rx.close()
+        assert pool_files() == before, "close unlinks every segment, leased ones too"
+        return got_c
+
+    got_c = asyncio.run(go())
+    # the last KV stays readable after the receiver closed: the mapping outlives the name
+    assert all(torch.equal(x, y) for x, y in zip(c.layers, got_c.layers))
+
+
+def test_failed_transfer_segment_is_dropped_not_reused():
+    kv = random_kv(LAYOUT, 37, seed=4)
+    before = pool_files()
+
+    async def go():
+        rx = await KVReceiver(LAYOUT).start()
+        token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens, transport="shm")
+        # the header lies about the token count: refused after the grant, mid-transfer
+        bad = header(token, kv, num_tokens=kv.num_tokens)
+        bad_kv = random_kv(LAYOUT, 37, seed=5)
+        bad_kv.layers.pop()
+        with pytest.raises(TransferError):
+            await asyncio.gather(send_kv(rx.address, bad, bad_kv), rx.wait(token, 10))
+        gc.collect()
+        assert rx.shm_pool.idle_bytes == 0 and pool_files() == before
+        got = await transfer(rx, kv)
+        assert rx.shm_pool.created == 2 and all(torch.equal(x, y) for x, y in zip(kv.layers, got.layers))
+        await rx.close()
+
+    asyncio.run(go())
+    assert pool_files() == before
+
+
+def test_idle_segments_beyond_the_bound_are_released():
+    pool = ShmPool(SHM_DIR, max_idle_bytes=1 << 20)
+    leases = [pool.lease(1 << 20) for _ in range(3)]
+    for lease in leases:
+        lease.succeeded()
+    assert pool.idle_bytes == 1 << 20 and pool.created == 3
+    assert len({n for n in os.listdir(SHM_DIR) if n.startswith(f"{POOL_PREFIX}{os.getpid()}-")}) == 1
+    pool.close()
+    assert not {n for n in os.listdir(SHM_DIR) if n.startswith(f"{POOL_PREFIX}{os.getpid()}-")}
+
+
+_ORPHAN = textwrap.dedent("""
+    import os
+    from pdserve.kvtransfer.shm import ShmPool
+    pool = ShmPool(os.environ.get("PDSERVE_SHM_DIR", "/dev/shm"))
+    lease = pool.lease(1 << 20)
+    lease.succeeded()
+    print(lease.name, flush=True)
+    os._exit(0)  # dies without closing its pool, as a killed decode worker would
+""")
+
+
+def test_orphaned_segments_of_a_dead_owner_are_swept_live_ones_kept():
+    live = ShmPool(SHM_DIR)
+    mine = live.lease(1 << 20)
+    mine.succeeded()
+    name = subprocess.run([sys.executable, "-c", _ORPHAN], capture_output=True, check=True,
+                          cwd=os.getcwd()).stdout.decode().strip()
+    assert os.path.exists(os.path.join(SHM_DIR, name))
+    assert sweep_orphans(SHM_DIR) >= 1 and not os.path.exists(os.path.join(SHM_DIR, name))
+    sweep_stale_segments(max_age_s=0)  # the age sweep of per-transfer segments leaves pool segments alone
+    assert os.path.exists(os.path.join(SHM_DIR, mine.name)), "a live owner's segment must survive sweeps"
+    live.close()
