@@ -23,6 +23,11 @@ the pool runs short. Hits are counted (`pdserve_preposition_*`).
 
 The worker announces its load and its cached block addresses in its LoadReport (1 Hz), which is
 what the front's router reads.
+
+Offload tier (`--prefix-offload`, off by default): after a prompt, its full blocks are also put
+in the JetStream object store (memory storage, TTL), and before a prompt starts, a longer prefix
+found there than in the local cache is fetched into the pool — so any worker, including a new
+or restarted one, skips what any other already computed.
 """
 from __future__ import annotations
 
@@ -100,6 +105,8 @@ class PrefillWorker(WorkerBase):
         self._recent_wait: deque[float] = deque(maxlen=32)
         self._cancelled: set[str] = set()
         self._wake = asyncio.Event()
+        self.prefix_store = None  # the offload tier, when --prefix-offload
+        self._offload_busy = False
         self._announced: list[str] = []  # cached block addresses, refreshed on the compute thread after each step
         r = self.registry
         self.m_requests = Counter("pdserve_prefill_requests_total", "prompts prefilled", ["outcome"], registry=r)
@@ -110,6 +117,8 @@ class PrefillWorker(WorkerBase):
                                 buckets=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
         self.m_cached = Counter("pdserve_prefix_cache_tokens_total", "prompt tokens by source", ["source"],
                                 registry=r)
+        self.m_offload = Counter("pdserve_prefix_offload_blocks_total", "prefix blocks moved to/from the object store",
+                                 ["direction"], registry=r)
         self.m_pp = Counter("pdserve_preposition_total", "pre-positioning hints by outcome", ["outcome"], registry=r)
         Gauge("pdserve_prefill_kv_utilization", "prefill KV pool in use by prompts being computed (0-1)",
               registry=r).set_function(lambda: self.engine.utilization())
@@ -162,6 +171,10 @@ class PrefillWorker(WorkerBase):
                                 cb=self._on_request)
         await self.nc.subscribe(Subjects.preposition(self.scope, self.worker_id), cb=self._on_hint)
         await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
+        if self.args.prefix_offload:
+            from pdserve.kvtransfer.offload import KVPrefixStore
+
+            self.prefix_store = KVPrefixStore(self.nc, self.runner.layout, ttl_s=self.args.prefix_offload_ttl)
         self.spawn(self._scheduler())
 
     async def _on_cancel(self, msg) -> None:
@@ -186,11 +199,56 @@ class PrefillWorker(WorkerBase):
             await msg.respond(Ack(accepted=False, worker_id=self.worker_id, error=str(e), status=400).encode())
             return
         await msg.respond(Ack(accepted=True, worker_id=self.worker_id).encode())
-        self.jobs.append(Job(f"req-{next(_JOB_IDS)}-{req.request_id}", list(req.prompt_token_ids),
-                             time.monotonic(), req))
+        job = Job(f"req-{next(_JOB_IDS)}-{req.request_id}", list(req.prompt_token_ids), time.monotonic(), req)
         self.queue_depth += 1
         self.m_queue.set(self.queue_depth)
+        if self.prefix_store is not None:
+            self.spawn(self._fetch_then_queue(job))
+        else:
+            self._queue(job)
+
+    def _queue(self, job: Job) -> None:
+        self.jobs.append(job)
         self._wake.set()
+
+    def _local_prefix(self, ids: list[int]) -> int:
+        n = 0
+        for h in prefix_hashes(ids, self.runner.layout.block_size):
+            if not self.engine.holds(h):
+                break
+            n += 1
+        return n * self.runner.layout.block_size
+
+    async def _fetch_then_queue(self, job: Job) -> None:
+        """Offload tier: bring a longer stored prefix into the pool's cache before the prompt starts.
+        Any failure (absent, corrupt, another layout, NATS trouble) only means computing it here."""
+        try:
+            got = await self.prefix_store.get_longest_prefix(job.token_ids[:-1])
+            if got is not None and got[1] > self._local_prefix(job.token_ids):
+                kv, n = got
+                await self.compute(self._adopt, f"fetch-{job.seq_id}", kv, job.token_ids[:n])
+                self.m_offload.labels("fetched").inc(n // self.runner.layout.block_size)
+        except Exception as e:
+            log.warning("prefix fetch for %s failed (computing instead): %s", job.req.request_id, e)
+        self._queue(job)
+
+    def _adopt(self, seq_id: str, kv, token_ids: list[int]) -> None:
+        """Put fetched KV into the prefix cache (compute thread): import, register, release."""
+        self.engine.import_kv(seq_id, kv, token_ids)
+        self.engine.free(seq_id)
+
+    async def _offload(self, job: Job, kv) -> None:
+        """Store a computed prompt's full blocks in the offload tier; skipped while a store is in flight."""
+        if self._offload_busy:
+            return
+        self._offload_busy = True
+        try:
+            n = await self.prefix_store.put_prefix(job.token_ids, kv)
+            self.m_offload.labels("stored").inc(n)
+        except Exception as e:
+            log.warning("prefix store for %s failed: %s", job.req.request_id, e)
+        finally:
+            self._offload_busy = False
 
     async def _on_hint(self, msg) -> None:
         try:
@@ -399,8 +457,12 @@ class PrefillWorker(WorkerBase):
                 self.m_requests.labels("finished").inc()
                 await self._publish(req, seq=1, kind="done", finish_reason=stream.finish_reason,
                                     usage=Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=1))
+                if self.prefix_store is not None:
+                    await self._offload(job, kv)
                 return
             await self._handoff(req, kv, [first])
+            if self.prefix_store is not None:
+                await self._offload(job, kv)
         except Exception as e:  # never leave the client waiting on a request we took
             log.exception("prefill of %s failed", req.request_id)
             await self._fail(req, 1, f"prefill failed: {e}")
@@ -462,6 +524,11 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preposition-budget-blocks", type=int, default=int(env("PDSERVE_PREPOSITION_BLOCKS", "256")),
                    help="most KV blocks pre-positioned and not yet used (0 turns pre-positioning off)")
     p.add_argument("--preposition-queue", type=int, default=16, help="most pre-positioning hints kept waiting")
+    p.add_argument("--prefix-offload", action=argparse.BooleanOptionalAction,
+                   default=env("PDSERVE_PREFIX_OFFLOAD", "0") in ("1", "true", "yes"),
+                   help="share prefix KV blocks with every worker through the JetStream object store (offload tier)")
+    p.add_argument("--prefix-offload-ttl", type=float, default=float(env("PDSERVE_PREFIX_OFFLOAD_TTL", "3600")),
+                   help="seconds a stored prefix block lives")
     p.add_argument("--data-port", type=int, default=0, help="unused by prefill today (it connects out); kept for symmetry")
 
 

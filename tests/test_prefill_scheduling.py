@@ -258,3 +258,52 @@ def test_router_sends_a_known_prefix_to_the_worker_that_holds_it(nats_server, mo
             assert s == 200, out
             assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 592, (i, out["usage"])
             assert out["choices"][0]["token_ids"] == hf_greedy(hf, ids, 2)
+
+
+def test_offload_tier_lets_another_worker_skip_a_stored_prefix(nats_server, model_dir, hf):
+    """Two deployments on one NATS, both with --prefix-offload: what the first computed, the second
+    fetches from the JetStream object store instead of recomputing; the answer is unchanged. A damaged
+    stored block is refused and the prompt computed instead (nothing lost)."""
+    from pdserve.kvtransfer.offload import KVPrefixStore, block_hashes
+    from pdserve.runtime import ModelRunner
+
+    tok = hf[0]
+    ids = tok.encode(LONG, add_special_tokens=False)[1100:1500]
+    args = {"prefill": ["--prefix-offload"]}
+    layout = ModelRunner(model_dir).layout
+
+    async def stored(prompt):
+        nc = await nats.connect(**nats_server.creds.connect_kwargs())
+        try:
+            got = await KVPrefixStore(nc, layout).get_longest_prefix(prompt)
+            return got[1] if got else 0
+        finally:
+            await nc.close()
+
+    with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds, worker_args=args) as a:
+        s, out = post(a.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 2})
+        assert s == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        wait_for(lambda: asyncio.run(stored(ids)) == 400 // 16 * 16, 60, "the prompt's blocks in the object store")
+    with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds, worker_args=args) as b:
+        s, out = post(b.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0,
+                                                  "return_token_ids": True, "ignore_eos": True})
+        assert s == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 384
+        assert out["choices"][0]["token_ids"] == hf_greedy(hf, ids, 6)
+
+        # damage the first stored block of another prompt's prefix: b must compute, not fail
+        other = tok.encode(LONG, add_special_tokens=False)[300:400]
+
+        async def damage():
+            nc = await nats.connect(**nats_server.creds.connect_kwargs())
+            try:
+                store = KVPrefixStore(nc, layout)
+                bucket = await store._bucket()
+                await bucket.put(store._name(block_hashes(other, 16)[0]), b"\x00garbage" * 100)
+            finally:
+                await nc.close()
+
+        asyncio.run(damage())
+        s, out = post(b.url + "/v1/completions", {"model": MODEL, "prompt": other, "max_tokens": 4, "temperature": 0,
+                                                  "return_token_ids": True, "ignore_eos": True})
+        assert s == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert out["choices"][0]["token_ids"] == hf_greedy(hf, other, 4)
