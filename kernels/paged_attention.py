@@ -92,6 +92,8 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_tabl
     # blocks along dim 2 yields its K and V already as [kv_heads, tokens, head_dim], in ONE copy of just
     # its blocks (gathering [nb, 2, kvh, bs, D] and then permuting copied the sequence's KV twice)
     kv_by_head = kv_pool.permute(1, 2, 0, 3, 4)
+    if t == s and starts == list(range(s + 1)) and _pad_is_cheap(lens):  # decode: one query per sequence
+        return _decode_reference(q, kv_by_head, block_tables, seq_lens, lens, scale)
     out = torch.empty_like(q)
     for i in range(s):
         q0, q1, length = starts[i], starts[i + 1], lens[i]
@@ -116,6 +118,52 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_tabl
     return out
 
 
+def _pad_is_cheap(lens: list[int]) -> bool:
+    """Whether one decode over all sequences padded to the longest beats a loop over them.
+
+    Each sequence the loop visits costs about 20 small torch ops per layer, on a CPU worth roughly
+    256 tokens of gathering and attending; the padding adds tokens that are attended for nothing.
+    """
+    real = sum(lens)
+    return len(lens) * max(lens) - real <= real + _LOOP_COST_TOKENS * len(lens)
+
+
+_LOOP_COST_TOKENS = 256
+
+
+def _decode_reference(q: torch.Tensor, kv_by_head: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      lens: list[int], scale: float) -> torch.Tensor:
+    """Decode (one query per sequence, the last token) for S sequences at once: one gather, two matmuls.
+
+    q [S, q_heads, head_dim], kv_by_head [2, kv_heads, num_blocks, block_size, head_dim] (a view of the
+    pool) -> [S, q_heads, head_dim]. A single query sees its whole sequence, so the only mask is for the
+    padding of shorter sequences to the longest: padded keys get probability 0 and padded values are
+    zeroed (stale slots may hold anything, NaN included, and 0 * NaN would leak into the output).
+    """
+    s, q_heads, head_dim = q.shape
+    _, kv_heads, num_blocks, block_size, _ = kv_by_head.shape
+    group = q_heads // kv_heads
+    longest = max(lens)
+    nb = -(-longest // block_size)
+    blocks = block_tables[:, :nb].to(device=kv_by_head.device, dtype=torch.int64)
+    ragged = min(lens) != longest
+    if ragged:  # entries past a sequence's blocks may be anything: read block 0 there instead
+        past = torch.arange(nb, device=blocks.device)[None, :] * block_size >= seq_lens.to(blocks.device)[:, None]
+        blocks = blocks.masked_fill(past, 0)
+    kv = kv_by_head.index_select(2, blocks.view(-1)).view(2, kv_heads, s, nb * block_size, head_dim)[..., :longest, :]
+    k, v = kv[0].float(), kv[1].float()  # [kv_heads, S, L, D]
+    # GQA as rows: the `group` query heads of a kv head are the rows of one [group, D] @ [D, L] per sequence
+    qs = q.float().view(s, kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, S, group, D]
+    scores = torch.matmul(qs, k.transpose(-1, -2)).mul_(scale)  # [kv_heads, S, group, L]
+    if ragged:
+        pad = torch.arange(longest, device=scores.device)[None, :] >= seq_lens.to(scores.device)[:, None]  # [S, L]
+        scores.masked_fill_(pad[None, :, None, :], float("-inf"))
+        v = v.masked_fill(pad[None, :, :, None], 0.0)
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.matmul(probs, v)  # [kv_heads, S, group, D]
+    return o.transpose(0, 1).reshape(s, q_heads, head_dim).to(q.dtype)
+
+
 def write_kv(kv_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store k, v [T, kv_heads, head_dim] into kv_pool at slots block * block_size + offset, in place.
 
@@ -133,9 +181,9 @@ def write_kv(kv_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
     if not bool(valid.all()):
         slots, k, v = slots[valid], k[valid], v[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    # advanced indices at dims 0 and 3 around a slice: the result (and the value) is [T, kv_heads, head_dim]
-    kv_pool[blocks, 0, :, offsets] = k.to(kv_pool.dtype)
-    kv_pool[blocks, 1, :, offsets] = v.to(kv_pool.dtype)
+    # advanced indices at dims 0 and 3 around slices: the value is [T, 2, kv_heads, head_dim]; K and V
+    # in one store (a step writes every layer, so each op here runs n_layers times per step)
+    kv_pool[blocks, :, :, offsets] = torch.stack((k, v), dim=1).to(kv_pool.dtype)
 
 
 def _interpreting() -> bool:

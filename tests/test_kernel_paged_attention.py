@@ -88,6 +88,69 @@ def test_reference_chunked_prefill_equals_one_shot_prefill():
     torch.testing.assert_close(torch.cat(pieces), one_shot, rtol=1e-6, atol=1e-6)
 
 
+def decode_batch(seed: int, lens: list[int], *, q_heads=6, kv_heads=2, head_dim=16, block_size=4, stale=float("nan")):
+    """One query per sequence (decode) over a pool whose unused slots and table padding are hostile:
+    slots past each sequence's tokens hold `stale` (NaN: what a 0-probability key must not leak) and
+    table entries past its blocks point nowhere (-1, or past the pool)."""
+    g = torch.Generator().manual_seed(seed)
+    nbs = [-(-n // block_size) for n in lens]
+    num_blocks = sum(nbs) + 2
+    perm = torch.randperm(num_blocks, generator=g)
+    kv_pool = torch.full((num_blocks, 2, kv_heads, block_size, head_dim), stale)
+    nowhere = [-1, num_blocks + 7]
+    block_tables = torch.tensor([[nowhere[s % 2]] * (max(nbs) + 1) for s in range(len(lens))], dtype=torch.int32)
+    dense, used = [], 0
+    for s, (length, nb) in enumerate(zip(lens, nbs)):
+        table = perm[used:used + nb]
+        used += nb
+        block_tables[s, :nb] = table.to(torch.int32)
+        k = torch.randn(length, kv_heads, head_dim, generator=g)
+        v = torch.randn(length, kv_heads, head_dim, generator=g)
+        pos = torch.arange(length)
+        write_kv(kv_pool, table[pos // block_size] * block_size + pos % block_size, k, v)
+        dense.append((k.transpose(0, 1), v.transpose(0, 1)))
+    q = torch.randn(len(lens), q_heads, head_dim, generator=g)
+    query_start = torch.arange(len(lens) + 1, dtype=torch.int32)
+    return q, kv_pool, block_tables, torch.tensor(lens, dtype=torch.int32), query_start, dense
+
+
+@pytest.mark.parametrize("lens", [
+    [1], [13], [16],                  # batch 1: a partial block, a full one
+    [9, 9, 9],                        # equal lengths: no padding
+    [5, 12, 1, 16, 7],                # ragged: padded to the longest, stale slots in between
+    [3, 200, 4],                      # ragged, still padded
+    [2, 3, 1000],                     # too ragged to pad: the per-sequence loop
+], ids=str)
+@pytest.mark.parametrize("q_heads,kv_heads", [(2, 2), (6, 2), (5, 1)])
+def test_reference_decode_equals_dense_sdpa_despite_stale_slots(lens, q_heads, kv_heads):
+    q, kv_pool, bt, seq_lens, qs, dense = decode_batch(len(lens) + sum(lens), lens, q_heads=q_heads, kv_heads=kv_heads)
+    ref = paged_attention_reference(q, kv_pool, bt, seq_lens, qs, 0.25)
+    torch.testing.assert_close(ref, dense_attention(q, dense, seq_lens, qs, 0.25), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_reference_decode_batch_equals_each_sequence_alone(seed):
+    # the batched decode (padded, masked) against the same sequences one by one and against the general
+    # path (a decode row next to a 2-token verification row takes the per-sequence loop)
+    lens = [int(n) for n in torch.randint(1, 40, (6,), generator=torch.Generator().manual_seed(seed))]
+    q, kv_pool, bt, seq_lens, qs, _ = decode_batch(seed, lens, stale=1e4)
+    batched = paged_attention_reference(q, kv_pool, bt, seq_lens, qs, 0.25)
+    for s in range(len(lens)):
+        alone = paged_attention_reference(q[s:s + 1], kv_pool, bt[s:s + 1], seq_lens[s:s + 1], qs[:2], 0.25)
+        torch.testing.assert_close(batched[s:s + 1], alone, rtol=1e-6, atol=1e-6)
+        extra = torch.randn(1, *q.shape[1:])
+        mixed = paged_attention_reference(torch.cat([extra, q[s:s + 1]]), kv_pool, bt[s:s + 1], seq_lens[s:s + 1],
+                                          torch.tensor([0, 2], dtype=torch.int32), 0.25)
+        torch.testing.assert_close(batched[s], mixed[1], rtol=1e-6, atol=1e-6)
+
+
+def test_reference_decode_low_precision_pool():
+    q, kv_pool, bt, seq_lens, qs, dense = decode_batch(4, [5, 12, 9], stale=0.0)
+    ref = paged_attention_reference(q.bfloat16(), kv_pool.bfloat16(), bt, seq_lens, qs, 0.25)
+    assert ref.dtype == torch.bfloat16
+    torch.testing.assert_close(ref.float(), dense_attention(q, dense, seq_lens, qs, 0.25), rtol=3e-2, atol=3e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_reference_low_precision_pool(dtype):
     q, kv_pool, bt, lens, qs, dense = make_batch(11, dtype=dtype)
@@ -106,6 +169,17 @@ def test_write_kv_places_tokens_and_skips_padding():
     torch.testing.assert_close(pool[0, 0, :, 2], k[2])
     torch.testing.assert_close(pool[0, 1, :, 2], v[2])
     assert int((pool != 0).sum()) == 4 * 2 * 5
+
+
+def test_write_kv_prefill_run_of_slots_across_blocks():
+    pool = torch.zeros(3, 2, 2, 4, 5)
+    k, v = torch.randn(6, 2, 5), torch.randn(6, 2, 5)
+    slots = torch.tensor([10, 11, 0, 1, 2, 3])  # the end of block 2, then all of block 0
+    write_kv(pool, slots, k, v)
+    for i, slot in enumerate(slots.tolist()):
+        torch.testing.assert_close(pool[slot // 4, 0, :, slot % 4], k[i])
+        torch.testing.assert_close(pool[slot // 4, 1, :, slot % 4], v[i])
+    assert int((pool != 0).sum()) == 6 * 2 * 2 * 5
 
 
 def test_rejects_bad_shapes_and_ragged_structure():
