@@ -107,6 +107,17 @@ class Front:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def next_user_turn_ids(self, messages: list[dict]) -> list[int]:
+        """Tokens every next request of this conversation starts with: the messages so far and the
+        header of the user's next message, as the chat template renders them (the header only
+        where the template renders the conversation so far as a prefix of the longer one)."""
+        marker = "\x00pdserve-next\x00"
+        tpl = self.tokenizer.apply_chat_template
+        so_far = tpl(messages, tokenize=False)
+        longer = tpl([*messages, {"role": "user", "content": marker}], tokenize=False)
+        text = longer[: longer.index(marker)] if marker in longer and longer.startswith(so_far) else so_far
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     # -- app -------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
@@ -364,7 +375,7 @@ class Generation:
         if self.req.__class__.__name__ == "ChatCompletionRequest":
             messages = [{"role": m.role, "content": m.text()} for m in self.req.messages]
             messages.append({"role": "assistant", "content": "".join(self.text)})
-            return self.front.chat_prompt_ids(messages, generation_prompt=False)
+            return self.front.next_user_turn_ids(messages)
         return self.prompt_ids + self.token_ids
 
     async def cancel(self, reason: str) -> None:
