@@ -17,8 +17,9 @@ header says `shm_verify=false`), END (JSON: chunk count and bytes), ACK (JSON fr
 or an error that names what was wrong). Kind 7 is natsdata's OBJECT.
 
 Layers may arrive in any order (layer streaming sends each as prefill computes it); within a layer
-chunks arrive in offset order. Large layers go as several CHUNKs so the checksum of one overlaps the
-send of the previous. The receiver reads payloads straight into preallocated tensors (`recv_into`).
+chunks arrive in offset order. Layers go as CHUNKs of `DEFAULT_CHUNK_BYTES`, small enough that each
+side's crc32 of a chunk reads it from cache next to the socket copy (one `sendmsg` for header and
+payload). The receiver reads payloads straight into preallocated tensors (`recv_into`).
 Every read and write has a bound: a peer that stalls is an error, not a hang.
 """
 from __future__ import annotations
@@ -55,7 +56,7 @@ ZCHUNK, GRANT = 8, 9
 _ZLEN = struct.Struct("!Q")
 MAX_CONTROL_FRAME = 1 << 20
 MAX_CHUNK = 1 << 31
-DEFAULT_CHUNK_BYTES = 4 << 20  # big enough to amortise syscalls, small enough that crc and send overlap
+DEFAULT_CHUNK_BYTES = 512 << 10  # amortises syscalls, and small enough that its crc leaves it in cache for the send
 SHM_DIR = os.environ.get("PDSERVE_SHM_DIR", "/dev/shm")
 SHM_PREFIX = "pdkv-"
 
@@ -140,7 +141,7 @@ except ImportError:  # pragma: no cover - isal is optional
 
 
 def _crc(mv) -> int:
-    return _fast_crc32(mv)  # both release the GIL on large buffers: a worker thread overlaps it with I/O
+    return _fast_crc32(mv)
 
 
 try:  # ISA-L's deflate: same format as zlib's, several times faster at level 1
@@ -159,8 +160,8 @@ def _deflate(raw: memoryview) -> bytes | None:
     return _ZLEN.pack(len(raw)) + z if len(z) + _ZLEN.size < len(raw) else None
 
 
-# Blocking socket work runs in _POOL (one thread per live transfer side); checksums that overlap it run
-# in _CRC_POOL, which never blocks on anything, so a busy _POOL cannot starve them.
+# Blocking socket work runs in _POOL (one thread per live transfer side); the deflate of int8 chunks runs
+# in _CRC_POOL, which never blocks on anything, so a busy _POOL cannot starve it.
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdkv-io")
 _CRC_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-crc")
 
@@ -245,6 +246,7 @@ class Assembly:
         L = layout.num_layers
         self.layers: list[torch.Tensor | None] = [None] * L
         self._buf: list[torch.Tensor | None] = [None] * L  # wire buffers being filled
+        self._mv: list[memoryview | None] = [None] * L  # their bytes
         self._scales: list[torch.Tensor | None] = [None] * L
         self.filled = [0] * L  # bytes committed (checksum verified)
         self.next_offset = [0] * L  # bytes handed out to be written (a chunk may be in flight)
@@ -259,6 +261,7 @@ class Assembly:
                 self._buf[layer] = torch.empty(self.shape, dtype=self.layout.torch_dtype)
             else:
                 self._buf[layer] = torch.empty(self.wire_bytes, dtype=torch.uint8)
+            self._mv[layer] = tensor_bytes(self._buf[layer])
         return self._buf[layer]
 
     def target(self, kind: int, layer: int, offset: int, length: int) -> memoryview:
@@ -282,7 +285,9 @@ class Assembly:
         if offset + length > self.wire_bytes:
             raise TransferError(f"layer {layer}: {offset + length} bytes, layout says {self.wire_bytes}")
         self.next_offset[layer] = offset + length
-        return tensor_bytes(self._wire_buf(layer))[offset:offset + length]
+        if self._mv[layer] is None:
+            self._wire_buf(layer)
+        return self._mv[layer][offset:offset + length]
 
     def accept(self, kind: int, layer: int, offset: int, payload) -> None:
         """A whole frame payload (crc already checked) from a transport that holds it in memory (NATS)."""
@@ -341,7 +346,7 @@ class Assembly:
                    impl="triton" if groups.is_cuda else "reference")
             out = from_token_groups(groups, lay.block_size)
             self._scales[layer] = None
-        self._buf[layer] = None
+        self._buf[layer] = self._mv[layer] = None
         self.layers[layer] = out
         self.complete[layer] = True
         if self.on_layer is not None:
@@ -432,28 +437,37 @@ class _BlockingSender:
         return bool(r)
 
     def send_frames(self, frames: Iterable[tuple[int, int, int, memoryview]], crcs: bool = True) -> None:
-        """Send frames; the crc of frame i+1 is computed in a worker thread while frame i goes out."""
-        frames = list(frames)
-        if not frames:
-            return
-        nxt = _CRC_POOL.submit(_crc, frames[0][3]) if crcs else None
-        for i, (kind, layer, offset, payload) in enumerate(frames):
-            crc = nxt.result() if crcs else getattr(payload, "crc", 0)
-            if crcs and i + 1 < len(frames):
-                nxt = _CRC_POOL.submit(_crc, frames[i + 1][3])
-            if self._peer_spoke():  # the receiver refused (its ACK is waiting): stop sending
-                self.refused = True
-                return
-            try:
-                self.sock.sendall(_HDR.pack(MAGIC, FRAME_VERSION, kind, layer, crc, offset, len(payload)))
-                if kind != SHM and len(payload):
-                    self.sock.sendall(payload)
-            except socket.timeout:
-                raise TransferError(f"decode data port {self.addr} stalled "
-                                    f"(no progress for {self.timeout:.1f} s)") from None
-            except OSError:
-                self.refused = True  # it hung up: its ACK (if any) says why
-                return
+        """Send frames, each header and payload in one `sendmsg`; payload-less headers (SHM) are coalesced.
+
+        The crc of a chunk is taken inline, just before it is sent: chunks are small enough
+        (`DEFAULT_CHUNK_BYTES`) that the kernel's copy then reads them from cache. A crc in another
+        thread read them from memory a second time, and on a busy host the hand-offs cost more than it.
+        """
+        small: list = []  # headers waiting to go out with the next payload (or at the end)
+        unchecked = 1 << 62  # bytes sent since we last looked for a refusal: look at once
+        try:
+            for kind, layer, offset, payload in frames:
+                n = len(payload)
+                if unchecked >= _REFUSAL_CHECK_BYTES:
+                    unchecked = 0
+                    if self._peer_spoke():  # the receiver refused (its ACK is waiting): stop sending
+                        self.refused = True
+                        return
+                crc = getattr(payload, "crc", 0) if kind == SHM or not crcs else _crc(payload)
+                small.append(_HDR.pack(MAGIC, FRAME_VERSION, kind, layer, crc, offset, n))
+                if kind == SHM or n == 0:
+                    continue
+                small.append(payload)
+                _send_all(self.sock, small)
+                small = []
+                unchecked += n
+            if small:
+                _send_all(self.sock, small)
+        except socket.timeout:
+            raise TransferError(f"decode data port {self.addr} stalled "
+                                f"(no progress for {self.timeout:.1f} s)") from None
+        except OSError:
+            self.refused = True  # it hung up: its ACK (if any) says why
 
     def read_ack(self, want: int = ACK) -> dict:
         """The receiver's next control frame: its ACK, or (`want=GRANT`) the shm segment it lends us.
@@ -475,6 +489,22 @@ class _BlockingSender:
         if kind != want:
             raise TransferError(f"expected {'ACK' if want == ACK else 'GRANT'}, got frame kind {kind}")
         return msg
+
+
+_REFUSAL_CHECK_BYTES = 4 << 20
+
+
+def _send_all(sock: socket.socket, bufs: list) -> None:
+    """`sendall` of several buffers with `sendmsg` (one syscall for a header and its payload)."""
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
 
 
 def _recv_exact(sock: socket.socket, buf) -> memoryview:
@@ -595,7 +625,7 @@ def _send_blocking(addr: str, header: TransferHeader, feed: queue.SimpleQueue, h
                     tx.send_frames(_write_shm_layer(mm, index, layer, header), crcs=False)
                     tx.sent += 1
             elif batch:
-                # all frames of the batch in one pipeline: chunk i+1's crc overlaps chunk i's send
+                # all frames of the batch in one call (the int8 deflate of a batch runs on both cores)
                 tx.send_frames([p for index, layer in batch
                                 for p in layer_wire_pieces(index, layer, header.compression, chunk_bytes)])
                 tx.sent += len(batch)
@@ -953,33 +983,21 @@ class KVReceiver:
         return lease
 
     def _receive_body(self, sock: socket.socket, asm: Assembly, leases: list) -> None:
-        """Frames until END, each payload received in place; crc of chunk i checked while chunk i+1 arrives.
-        A shm transfer first gets its segment (GRANT), appended to `leases` for the caller to settle."""
-        pending = None  # (future crc, expected crc, kind, layer, length)
+        """Frames until END, each payload received in place and its crc checked right after, while the
+        bytes the kernel just wrote are still in cache. A shm transfer first gets its segment (GRANT),
+        appended to `leases` for the caller to settle."""
         lease = None
         if asm.header.transport == "shm":
             lease = self._grant(sock, asm.header)
             leases.append(lease)
-
-        def settle():
-            nonlocal pending
-            if pending is not None:
-                fut, crc, kind, layer, length = pending
-                pending = None
-                if fut.result() != crc:
-                    raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
-                asm.commit(kind, layer, length)
-
         while True:
             kind, layer, crc, offset, length = self._read_header(sock, MAX_CHUNK)
             if kind == END:
-                settle()
                 payload = bytes(self._read_into(sock, bytearray(length)))
                 if zlib.crc32(payload) != crc:
                     raise TransferError("corrupt END frame")
                 return
             if kind == SHM:
-                settle()
                 if lease is None:
                     raise TransferError("shared-memory frame in a TCP transfer")
                 if offset + length > lease.nbytes:
@@ -989,19 +1007,16 @@ class KVReceiver:
                     raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
                 asm.adopt(layer, view)
                 continue
-            if kind == ZCHUNK:  # inflated into place: settled at once (compressed transfers are CPU-bound)
-                settle()
+            if kind == ZCHUNK:  # inflated into place
                 payload = self._read_into(sock, bytearray(length))
                 if _crc(payload) != crc:
                     raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
                 asm.inflate(layer, offset, payload)
                 continue
-            mv = asm.target(kind, layer, offset, length)
-            self._read_into(sock, mv)
-            settle()
-            pending = (_CRC_POOL.submit(_crc, mv), crc, kind, layer, length)
-            if kind == CHUNK and offset + length == asm.wire_bytes and asm.eager():
-                settle()  # a streaming consumer waits: hand the finished layer over now
+            mv = self._read_into(sock, asm.target(kind, layer, offset, length))
+            if _crc(mv) != crc:
+                raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
+            asm.commit(kind, layer, length)
 
     def _send_ack(self, sock: socket.socket, ack: dict) -> None:
         try:
