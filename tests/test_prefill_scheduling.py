@@ -7,11 +7,8 @@ cached or pre-positioned KV never changes an answer.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import nats
@@ -23,9 +20,14 @@ from pdserve.kvtransfer.protocol import (
 )
 from pdserve.local import LocalCluster
 from pdserve.sampling import SamplingParams
+from servinghelpers import hf_greedy as _hf_greedy, post, wait_for
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
+
+
+def hf_greedy(hf, prompt_ids, n):
+    return _hf_greedy(hf, prompt_ids, n, exact=True)  # requests here use ignore_eos
 LONG = (Path(__file__).parent / "data" / "long_prompt.txt").read_text()
 
 
@@ -36,23 +38,6 @@ def hf(model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return tok, model
-
-
-def hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
-    tok, model = hf
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=tok.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
-
-
-def post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def chat(cluster, messages, n=12, **extra) -> dict:
@@ -85,16 +70,6 @@ def load_reports(cluster, role: str, seconds: float = 1.5) -> dict[str, LoadRepo
         return seen
 
     return asyncio.run(go())
-
-
-def wait_for(predicate, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +106,8 @@ def test_pre_positioning_computes_the_next_turn_while_idle(cluster, hf):
     hint = tok.encode(tok.apply_chat_template(turn1 + [{"role": "assistant", "content": answer}], tokenize=False),
                       add_special_tokens=False)
     last_block = announced(prefix_hashes(hint, 16)[-1])
-    wait_for(lambda: last_block in load_reports(cluster, "prefill", 1.1)["prefill-0"].cached_blocks, 60,
-             "the prefill worker to pre-position the next turn")
+    wait_for(lambda: last_block in load_reports(cluster, "prefill", 1.1)["prefill-0"].cached_blocks,
+             "the prefill worker to pre-position the next turn", 60)
     turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Now one about rivers."}]
     a2 = chat(cluster, turn2)
     details = a2["usage"]["prompt_tokens_details"]
@@ -193,7 +168,7 @@ def test_concurrent_mixed_prompts_with_shared_prefixes_equal_each_alone(cluster,
         assert out["choices"][0]["token_ids"] == hf_greedy(hf, ids, 8)
     # Nothing held afterwards: prompts leave the pool (their blocks only stay as evictable cache).
     rep = wait_for(lambda: (r := load_reports(cluster, "prefill")["prefill-0"]).queue_depth == 0
-                   and r.kv_utilization == 0.0 and r, 30, "the prefill pool to drain")
+                   and r.kv_utilization == 0.0 and r, "the prefill pool to drain", 30)
     assert rep.queue_tokens == 0
 
 
@@ -249,7 +224,7 @@ def test_router_sends_a_known_prefix_to_the_worker_that_holds_it(nats_server, mo
         first = post(c.url + "/v1/completions", {"model": MODEL, "prompt": prefix + [13], "max_tokens": 1})[1]
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         holder = wait_for(lambda: [w for w, r in load_reports(c, "prefill").items() if len(r.cached_blocks) >= 37],
-                          30, "a prefill worker to announce the prefix")
+                          "a prefill worker to announce the prefix", 30)
         assert len(holder) == 1
         for i in range(6):
             ids = prefix + tok.encode(f" Question {i}: what happened next?", add_special_tokens=False)
@@ -283,7 +258,7 @@ def test_offload_tier_lets_another_worker_skip_a_stored_prefix(nats_server, mode
     with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds, worker_args=args) as a:
         s, out = post(a.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 2})
         assert s == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        wait_for(lambda: asyncio.run(stored(ids)) == 400 // 16 * 16, 60, "the prompt's blocks in the object store")
+        wait_for(lambda: asyncio.run(stored(ids)) == 400 // 16 * 16, "the prompt's blocks in the object store", 60)
     with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds, worker_args=args) as b:
         s, out = post(b.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0,
                                                   "return_token_ids": True, "ignore_eos": True})

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdserve.local import LocalCluster
+from servinghelpers import hf_greedy, post
 
 pytestmark = pytest.mark.model
 
@@ -34,24 +35,6 @@ def hf(model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return tok, model
-
-
-def post(url: str, body, timeout: float = 300) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
-    tok, model = hf
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
-                             pad_token_id=tok.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
 
 
 PROMPTS = [

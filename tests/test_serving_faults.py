@@ -15,12 +15,12 @@ from pathlib import Path
 
 import nats
 import pytest
-import torch
 
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.protocol import HandoffOffer, HandoffReply, StreamEvent, Subjects
 from pdserve.local import LocalCluster
 from pdserve.sampling import SamplingParams
+from servinghelpers import post
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -42,15 +42,6 @@ def tok(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-def post(url, body, timeout=120):
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def greedy_ids(cluster, prompt, n):

@@ -36,6 +36,8 @@ import urllib.request
 
 import pytest
 
+from k8swait import wait_for
+
 from pdserve.autoscale.certs import make_serving_cert
 from pdserve.kvtransfer.protocol import LoadReport, Subjects
 from pdserve.natsserver import free_port
@@ -44,17 +46,6 @@ ISVC, POOL = "llama", "prefill"
 LABELS = {"pdserve.io/isvc": ISVC, "pdserve.io/pool": POOL, "pdserve.io/role": "prefill"}
 SELECTOR = f"pdserve.io/isvc={ISVC},pdserve.io/pool={POOL}"
 METRIC = "pdserve_prefill_queue_depth"
-
-
-def wait_for(cond, what: str, timeout: float):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = cond()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
 class FakeKubelet(threading.Thread):
