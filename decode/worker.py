@@ -27,7 +27,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from pdserve.decode.drafters import SamplingSpec, make_drafter
 from pdserve.engine.blocks import OutOfBlocks
 from pdserve.decode.speculation import SpanTracker, SpeculationController
-from pdserve.kernels.spec_verify import verify
+from pdserve.kernels.spec_verify import verify, verify_greedy
 
 from pdserve.kvtransfer.layout import LayoutMismatch
 from pdserve.kvtransfer.protocol import (
@@ -286,8 +286,6 @@ class DecodeWorker(WorkerBase):
 
     # -- the decode loop -------------------------------------------------------------------
 
-    # -- the decode loop -------------------------------------------------------------------
-
     async def _plan(self, s: Sequence):
         """Choose this step's k for `s` and draft that many tokens; None for a plain step."""
         rid = s.request_id
@@ -327,16 +325,39 @@ class DecodeWorker(WorkerBase):
         return draft if draft.token_ids else None
 
     def _forward_and_verify(self, batch: list[Sequence], drafts: list) -> list[list[int]]:
-        """One forward over the whole batch, one fused verification, rollback (compute thread).
+        """One forward over the whole batch, verification, rollback (compute thread).
 
-        Sequence i feeds its last token plus its k_i draft tokens; row i of the verifier accepts a
-        prefix of the drafts and adds the correction or bonus token (k_i = 0: a plain sampled or
-        greedy token, the same draw plain sampling makes). Returns the committed tokens per sequence.
+        Sequence i feeds its last token plus its k_i draft tokens; row i accepts a prefix of the
+        drafts and adds the correction or bonus token (k_i = 0: a plain sampled or greedy token,
+        the same draw plain sampling makes). Greedy rows are verified right here by argmax and
+        compare — exactly the verifier's greedy rule (first index on ties), without building its
+        [B, K+1, V] tensors; sampled rows go through one fused verification call. Returns the
+        committed tokens per sequence.
         """
         rids = [s.request_id for s in batch]
         kept = [self.engine.num_tokens(r) for r in rids]
         draft_ids = [d.token_ids if d else [] for d in drafts]
         logits = self.engine.step([(r, [s.generated[-1], *ids]) for r, s, ids in zip(rids, batch, draft_ids)])
+        committed: list[list[int]] = [[] for _ in batch]
+        sampled = []
+        for i, s in enumerate(batch):
+            if not s.offer.sampling.greedy:
+                sampled.append(i)
+                continue
+            committed[i] = verify_greedy(logits[i], draft_ids[i])
+        if sampled:
+            for i, tokens in zip(sampled, self._verify_sampled([batch[i] for i in sampled],
+                                                               [drafts[i] for i in sampled],
+                                                               [logits[i] for i in sampled])):
+                committed[i] = tokens
+        for i, r in enumerate(rids):
+            # keep the fed token and the accepted drafts; drop the rest
+            self.engine.rollback(r, kept[i] + len(committed[i]))
+        return committed
+
+    def _verify_sampled(self, batch: list[Sequence], drafts: list, logits: list[torch.Tensor]) -> list[list[int]]:
+        """The fused verification call for sampled rows: logits[i] is [k_i + 1, V]."""
+        draft_ids = [d.token_ids if d else [] for d in drafts]
         B, K, V = len(batch), max(map(len, draft_ids)), logits[0].shape[-1]
         target = logits[0].new_zeros(B, K + 1, V)
         ids = torch.zeros(B, K, dtype=torch.long)
@@ -349,21 +370,15 @@ class DecodeWorker(WorkerBase):
             target[i, : k + 1] = logits[i]
             if k:
                 ids[i, :k] = torch.tensor(draft_ids[i])
-                if probs is not None:
+                if probs is not None and d.probs is not None:
                     probs[i, :k] = d.probs
-            if not s.offer.sampling.greedy:
-                ui, ni = verification_randomness(s.offer.seed, len(s.generated), k, V)
-                u[i, :k], noise[i, : k + 1] = ui[0], ni[0]
+            ui, ni = verification_randomness(s.offer.seed, len(s.generated), k, V)
+            u[i, :k], noise[i, : k + 1] = ui[0], ni[0]
         sp = [s.offer.sampling for s in batch]
         out, n_acc = verify(target, ids, num, probs, torch.tensor([p.temperature for p in sp]),
                             torch.tensor([p.top_k for p in sp], dtype=torch.int32),
                             torch.tensor([p.top_p for p in sp]), u, noise, impl=self.verify_impl)
-        committed = []
-        for i, r in enumerate(rids):
-            n = int(n_acc[i])
-            self.engine.rollback(r, kept[i] + 1 + n)  # keep the fed token and accepted drafts; drop the rest
-            committed.append(out[i, : n + 1].tolist())
-        return committed
+        return [out[i, : int(n_acc[i]) + 1].tolist() for i in range(B)]
 
     async def _resume_preempted(self) -> None:
         """Bring preempted sequences back (recomputing their KV) once the pool has room."""

@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["verify", "verify_reference", "verify_triton", "draw_randomness", "process_logits"]
+__all__ = ["verify", "verify_reference", "verify_triton", "verify_greedy", "draw_randomness", "process_logits"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -476,6 +476,21 @@ def verify_triton(target_logits, draft_token_ids, num_draft_tokens, draft_probs,
         enable_fp_fusion=False,  # op-by-op rounding, as the torch reference
     )
     return out, num_accepted
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_token_ids: list[int]) -> list[int]:
+    """The greedy rule of :func:`verify` for one request, without its batch tensors.
+
+    ``target_logits`` [k+1, V] (row j: the target's logits after draft[:j]), ``draft_token_ids``
+    k ints. Returns the accepted drafts followed by the correction or bonus token: draft j is
+    accepted iff it equals the first argmax of row j, as :func:`verify` does for temperature <= 0.
+    A greedy row needs no probabilities, randomness or [B, K+1, V] copies — only k+1 argmaxes.
+    """
+    preds = target_logits.argmax(dim=-1).tolist()
+    n = 0
+    while n < len(draft_token_ids) and draft_token_ids[n] == preds[n]:
+        n += 1
+    return [*draft_token_ids[:n], preds[n]]
 
 
 def verify(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature, top_k, top_p,

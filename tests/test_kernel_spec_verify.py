@@ -8,6 +8,7 @@ from pdserve.kernels.spec_verify import (
     draw_randomness,
     process_logits,
     verify,
+    verify_greedy,
     verify_reference,
     verify_triton,
 )
@@ -135,6 +136,24 @@ def test_greedy_equals_plain_greedy(impl):
         assert int(num_acc[b]) == len(tokens) - 1
         assert out[b, : len(tokens)].tolist() == tokens
     assert int(num_acc[0]) == int(case[2][0])  # request 0 drafted the tied argmax everywhere
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_verify_greedy_is_the_greedy_rule_of_verify(seed):
+    # the decode worker's per-row greedy path must commit exactly what the batch verifier does
+    batch, k, vocab = 5, 6, 64
+    case = list(make_case(seed, batch, k, vocab, with_q=False, top_k_on=False, top_p_on=False, temps=(0.0,)))
+    target, drafts, num = case[0], case[1], case[2]
+    # drafts the target agrees with for a while, and a tie on the max (first index wins)
+    agree = target.argmax(dim=-1)[:, :k]
+    drafts[:, :3] = agree[:, :3]
+    target[1, :, 7] = target[1, :, 40] = target[1].max() + 1.0
+    drafts[1] = 7
+    out, num_acc = verify_reference(*case)
+    for b in range(batch):
+        kb = int(num[b])
+        tokens = verify_greedy(target[b, : kb + 1], drafts[b, :kb].tolist())
+        assert tokens == out[b, : int(num_acc[b]) + 1].tolist()
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
