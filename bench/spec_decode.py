@@ -9,7 +9,12 @@ plus the ratios. Decode tokens/s counts tokens after the first one over the time
 prefill (the same work everywhere) is excluded. Greedy throughout, so all three generate the
 same tokens (checked). One torch thread everywhere.
 
-    python bench/spec_decode.py [--workloads code_edit agent_trace] [--limit 3] [--json out.json]
+The three runs of one prompt follow each other (transformers in this process, while the idle
+cluster waits), in an order that rotates from prompt to prompt: on a shared machine the load
+drifts over minutes, and ratios are only meaningful between runs made in the same minutes.
+``--repeat N`` runs everything N times and reports the median of each ratio.
+
+    python bench/spec_decode.py [--workloads code_edit agent_trace] [--limit 3] [--repeat 3] [--json out.json]
 """
 from __future__ import annotations
 
@@ -89,53 +94,75 @@ def main() -> int:
     p.add_argument("--limit", type=int, default=None, help="prompts per workload")
     p.add_argument("--max-k", type=int, default=8)
     p.add_argument("--lookup", type=int, default=10, help="transformers prompt_lookup_num_tokens")
+    p.add_argument("--repeat", type=int, default=1, help="run everything N times; report median ratios")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
     model_dir = resolve_model(a.model)
     name = model_dir.name
     workloads = get_workloads(a.workloads)
-    results = []
-    with LocalCluster(str(model_dir), worker_args={"decode": ["--spec-method", "ngram", "--spec-max-k", str(a.max_k)]}) as c:
-        for w in workloads:
-            for wp in w.prompts[: a.limit]:
-                # warm the request's path once (first-request costs are not decode speed)
-                plain = stream_request(c.url, name, wp.messages, wp.max_new_tokens, spec=False)
-                spec = stream_request(c.url, name, wp.messages, wp.max_new_tokens, spec=True)
-                results.append({"workload": w.name, "prompt": wp.name, "plain": plain, "spec": spec})
-                print(f"  {w.name}/{wp.name}: plain {rate(plain):.2f} tok/s, spec {rate(spec):.2f} tok/s", flush=True)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    i = 0
-    for w in workloads:
-        for wp in w.prompts[: a.limit]:
-            results[i]["hf_assisted"] = hf_assisted(model, tok, wp.messages, wp.max_new_tokens, a.lookup)
-            i += 1
+    results = []
+    with LocalCluster(str(model_dir), worker_args={"decode": ["--spec-method", "ngram", "--spec-max-k", str(a.max_k)]}) as c:
+        runners = {
+            "plain": lambda wp: stream_request(c.url, name, wp.messages, wp.max_new_tokens, spec=False),
+            "spec": lambda wp: stream_request(c.url, name, wp.messages, wp.max_new_tokens, spec=True),
+            "hf_assisted": lambda wp: hf_assisted(model, tok, wp.messages, wp.max_new_tokens, a.lookup),
+        }
+        order = list(runners)
+        # first-request costs (connections, allocator, the HF generate path) are not decode speed
+        warm = workloads[0].prompts[0]
+        for key in order:
+            runners[key](type(warm)(warm.name, warm.messages, 4))
+        for rep in range(a.repeat):
+            i = 0
+            for w in workloads:
+                for wp in w.prompts[: a.limit]:
+                    row = {"repeat": rep, "workload": w.name, "prompt": wp.name}
+                    for key in order[i % 3:] + order[: i % 3]:  # rotate which runs first
+                        row[key] = runners[key](wp)
+                    i += 1
+                    results.append(row)
+                    print(f"  [{rep + 1}/{a.repeat}] {w.name}/{wp.name}: plain {rate(row['plain']):.2f} tok/s, "
+                          f"spec {rate(row['spec']):.2f} tok/s, HF-PL {rate(row['hf_assisted']):.2f} tok/s", flush=True)
 
     print(f"\nspeculative decoding, {name}, greedy, n-gram drafter (max k {a.max_k}) vs transformers prompt lookup "
-          f"({a.lookup}); decode tokens/s (after the first token), one torch thread")
+          f"({a.lookup}); decode tokens/s (after the first token), one torch thread"
+          + (f"; medians of {a.repeat} repeats" if a.repeat > 1 else ""))
     hdr = (f"{'workload':<12} {'prompts':>7} {'tokens':>7} | {'plain':>7} {'spec':>7} {'HF-PL':>7} | "
            f"{'spec/plain':>10} {'spec/HF':>8} | {'accept':>6} {'same':>5}")
     print(hdr + "\n" + "-" * len(hdr))
     summary = []
     for w in workloads:
-        rows = [r for r in results if r["workload"] == w.name]
-        tok_total = sum(r["spec"]["tokens"] for r in rows)
+        per_repeat = []
+        for rep in range(a.repeat):
+            rows = [r for r in results if r["workload"] == w.name and r["repeat"] == rep]
 
-        def agg(key):  # total tokens over total decode time: long answers weigh more, as in serving
-            return sum(r[key]["tokens"] - 1 for r in rows) / sum(r[key]["decode_s"] for r in rows)
+            def agg(key):  # total tokens over total decode time: long answers weigh more, as in serving
+                return sum(r[key]["tokens"] - 1 for r in rows) / sum(r[key]["decode_s"] for r in rows)
 
-        plain_r, spec_r, hf_r = agg("plain"), agg("spec"), agg("hf_assisted")
-        drafted = sum(r["spec"]["draft"] for r in rows)
-        acc = sum(r["spec"]["accepted"] for r in rows) / drafted if drafted else 0.0
-        same = all(r["spec"]["text"] == r["plain"]["text"] for r in rows)
-        s = {"workload": w.name, "prompts": len(rows), "tokens": tok_total, "plain_tok_s": plain_r,
-             "spec_tok_s": spec_r, "hf_prompt_lookup_tok_s": hf_r, "spec_over_plain": spec_r / plain_r,
-             "spec_over_hf": spec_r / hf_r, "acceptance": acc, "spec_equals_plain": same,
-             "target_spec_over_plain": w.target_speedup}
+            plain_r, spec_r, hf_r = agg("plain"), agg("spec"), agg("hf_assisted")
+            drafted = sum(r["spec"]["draft"] for r in rows)
+            per_repeat.append({"plain_tok_s": plain_r, "spec_tok_s": spec_r, "hf_prompt_lookup_tok_s": hf_r,
+                               "spec_over_plain": spec_r / plain_r, "spec_over_hf": spec_r / hf_r,
+                               "acceptance": sum(r["spec"]["accepted"] for r in rows) / drafted if drafted else 0.0,
+                               "spec_equals_plain": all(r["spec"]["text"] == r["plain"]["text"] for r in rows),
+                               "tokens": sum(r["spec"]["tokens"] for r in rows), "prompts": len(rows)})
+        s = {key: statistics.median(r[key] for r in per_repeat)
+             for key in ("plain_tok_s", "spec_tok_s", "hf_prompt_lookup_tok_s", "spec_over_plain", "spec_over_hf",
+                         "acceptance")}
+        s.update({"workload": w.name, "prompts": per_repeat[0]["prompts"], "tokens": per_repeat[0]["tokens"],
+                  "spec_equals_plain": all(r["spec_equals_plain"] for r in per_repeat),
+                  "target_spec_over_plain": w.target_speedup, "repeats": per_repeat})
         summary.append(s)
-        print(f"{w.name:<12} {len(rows):>7} {tok_total:>7} | {plain_r:>7.2f} {spec_r:>7.2f} {hf_r:>7.2f} | "
-              f"{s['spec_over_plain']:>9.2f}x {s['spec_over_hf']:>7.2f}x | {acc:>6.2f} {str(same):>5}")
+        print(f"{w.name:<12} {s['prompts']:>7} {s['tokens']:>7} | {s['plain_tok_s']:>7.2f} {s['spec_tok_s']:>7.2f} "
+              f"{s['hf_prompt_lookup_tok_s']:>7.2f} | {s['spec_over_plain']:>9.2f}x {s['spec_over_hf']:>7.2f}x | "
+              f"{s['acceptance']:>6.2f} {str(s['spec_equals_plain']):>5}")
+        if a.repeat > 1:
+            sp = ", ".join(f"{r['spec_over_plain']:.2f}" for r in per_repeat)
+            sh = ", ".join(f"{r['spec_over_hf']:.2f}" for r in per_repeat)
+            print(f"{'':<12} spec/plain per repeat: {sp}; spec/HF: {sh}")
     if a.json:
         Path(a.json).write_text(json.dumps({"summary": summary, "runs": results}, indent=2))
     return 0
