@@ -124,6 +124,15 @@ SPEC_SCHEMA = _obj({
         "timeoutSeconds": {"type": "number", "minimum": 0.1, "maximum": 600, "default": 10},
         "failurePolicy": _s(enum=["recompute", "fail"], default="recompute"),
     }, default={}),
+    "prefixCache": _obj({
+        "prepositioning": {"type": "boolean", "default": True,
+                           "description": "After each request, let an idle prefill worker pre-compute the next turn's KV."},
+        "prepositionBudgetBlocks": _i(0, default=256, description="Most pre-positioned KV blocks per prefill "
+                                                                  "worker not yet used (0: off)."),
+        "offload": {"type": "boolean", "default": False,
+                    "description": "Share prefix KV blocks between workers through the JetStream object store."},
+        "offloadTTLSeconds": _i(1, default=3600, description="How long an offloaded prefix block lives."),
+    }, default={}, description="Prefix reuse across requests: the prefill workers' cache, pre-positioning, offload."),
     "nats": _obj({
         "url": _s(description="External NATS URL; default: the chart's in-cluster NATS."),
         "credentialsSecret": _obj({

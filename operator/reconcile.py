@@ -112,6 +112,16 @@ def _env(body: dict, spec: dict, config: OperatorConfig, pool: str) -> list[dict
             {"name": "PDSERVE_KV_TIMEOUT_SECONDS", "value": str(t["timeoutSeconds"])},
             {"name": "PDSERVE_KV_FAILURE_POLICY", "value": t["failurePolicy"]},
         ]
+    pc = spec.get("prefixCache") or {}
+    if pool == "front":
+        env.append({"name": "PDSERVE_PREPOSITION", "value": "1" if pc.get("prepositioning", True) else "0"})
+    if pool == "prefill":
+        env += [
+            {"name": "PDSERVE_PREPOSITION_BLOCKS",
+             "value": str(pc.get("prepositionBudgetBlocks", 256) if pc.get("prepositioning", True) else 0)},
+            {"name": "PDSERVE_PREFIX_OFFLOAD", "value": "1" if pc.get("offload") else "0"},
+            {"name": "PDSERVE_PREFIX_OFFLOAD_TTL", "value": str(pc.get("offloadTTLSeconds", 3600))},
+        ]
     nats = _nats_secret(body, spec, config)
     if nats:
         secret, ukey, pkey = nats

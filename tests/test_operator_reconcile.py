@@ -271,3 +271,17 @@ def test_worker_readiness_probes_the_metrics_endpoint():
         container = children[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
         assert container["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
         assert {"name": "metrics", "containerPort": 9100} in container["ports"]
+
+
+def test_prefix_cache_settings_reach_front_and_prefill():
+    def envs(spec):
+        children = desired_children(isvc(spec), OperatorConfig())
+        return ({e["name"]: e.get("value") for e in container(children, "llama-front")["env"]},
+                {e["name"]: e.get("value") for e in container(children, "llama-prefill")["env"]})
+
+    front, prefill = envs(None)  # defaults: pre-positioning on, offload off
+    assert front["PDSERVE_PREPOSITION"] == "1" and prefill["PDSERVE_PREPOSITION_BLOCKS"] == "256"
+    assert prefill["PDSERVE_PREFIX_OFFLOAD"] == "0"
+    front, prefill = envs({"prefixCache": {"prepositioning": False, "offload": True, "offloadTTLSeconds": 60}})
+    assert front["PDSERVE_PREPOSITION"] == "0" and prefill["PDSERVE_PREPOSITION_BLOCKS"] == "0"
+    assert (prefill["PDSERVE_PREFIX_OFFLOAD"], prefill["PDSERVE_PREFIX_OFFLOAD_TTL"]) == ("1", "60")
