@@ -8,6 +8,7 @@ small matmuls slower under load).
 
     python bench/spec_probe.py                       # all workloads, all prompts
     python bench/spec_probe.py --workloads code_edit --limit 2 --json out.json
+    python bench/spec_probe.py --ceiling             # + the best any prompt-lookup drafter could do
 """
 from __future__ import annotations
 
@@ -157,6 +158,38 @@ def speculative_greedy(model, tokenizer, prompt_ids: list[int], max_new_tokens: 
     return res
 
 
+def ngram_ceiling_steps(prompt_ids: list[int], output: list[int], min_n: int = 1, max_n: int = 16) -> list[int]:
+    """What the best possible prompt-lookup drafter could do on one greedy output: steps of an
+    oracle that, before each step, knows which earlier occurrence of a suffix (>= ``min_n``
+    tokens) continues the furthest into the real output, and drafts exactly that far.
+
+    Greedy speculation accepts a draft token iff it equals the plain greedy output, so this
+    replay is exact. Returns the number of tokens drafted (= accepted) at each step after the
+    first output token; every step also commits one target token.
+    """
+    steps, pos = [], 1
+    while pos < len(output):
+        seq = prompt_ids + output[:pos]
+        length, future = len(seq), output[pos:-1]  # the last output token is always the target's own
+        best = 0
+        for s in range(1, length):
+            n = 0  # how long a suffix of seq ends at s
+            while n < max_n and n < s and seq[s - n - 1] == seq[length - n - 1] and s - n - 1 < length - n - 1:
+                n += 1
+            if n < min_n:
+                continue
+            a = 0
+            while a < len(future):
+                p = s + a
+                if (seq[p] if p < length else future[p - length]) != future[a]:
+                    break
+                a += 1
+            best = max(best, a)
+        steps.append(best)
+        pos += best + 1
+    return steps
+
+
 def ngram_cost_microseconds(context: int = 2048, steps: int = 2000, seed: int = 0) -> float:
     """Mean cost of one NgramDrafter.propose (incremental: 1–3 new tokens per call) on a
     ``context``-token sequence with a 500-token vocabulary, in microseconds of CPU time."""
@@ -183,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-n", type=int, default=2)
     ap.add_argument("--max-n", type=int, default=8)
     ap.add_argument("--min-reach", type=float, default=0.25, help="n-gram confidence trimming (0 = off)")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also replay each plain output with an oracle prompt-lookup drafter (the best any "
+                         "n-gram drafter could do under the fitted latency model)")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -234,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                 st = match_stats.setdefault(n, [0, 0, 0])
                 st[0] += 1; st[1] += proposed; st[2] += acc_n  # noqa: E702
             all_ok &= same
+            if args.ceiling:
+                agg.setdefault("ceiling", []).append((ids, plain.tokens))
             agg["plain_tokens"] += plain.decode_tokens
             agg["plain_s"] += plain.decode_seconds
             agg["spec_tokens"] += spec.decode_tokens
@@ -268,9 +306,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{acc:>6.2f} {tps:>8.2f} {str(agg['mismatches'] == 0):>5}   target {wl.target_speedup:.2f}x: {verdict}"
               f" (wall-clock ratio {wall_ratio:.2f})",
               flush=True)
+        if args.ceiling:
+            a, b = controller.latency.verify_coefficients()
+            plain_cost = spec_cost = 0.0
+            for ids, out in agg["ceiling"]:
+                drafted = ngram_ceiling_steps(ids, out, min_n=args.min_n)
+                plain_cost += (len(out) - 1) * (a + b)
+                spec_cost += sum(a + b * (d + 1) for d in drafted)
+            ceiling = plain_cost / spec_cost if spec_cost else 0.0
+            print(f"{'':<12} n-gram ceiling (oracle occurrence and k, min_n {args.min_n}, verify "
+                  f"{1000 * a:.0f} ms + {1000 * b:.1f} ms/token): {ceiling:.2f}x plain", flush=True)
+            agg["ceiling"] = ceiling
         rows.append({"workload": wl.name, "prompt": "ALL", "plain_tps": p_tps, "spec_tps": s_tps, "ratio": ratio,
                      "acceptance": acc, "tokens_per_step": tps, "mismatches": agg["mismatches"], "wall_ratio": wall_ratio,
-                     "target": wl.target_speedup})
+                     "target": wl.target_speedup, "ngram_ceiling": agg.get("ceiling")})
     for n in sorted(match_stats):
         st = match_stats[n]
         print(f"  matched n={n}: {st[0]} steps, {st[1]} proposed, acceptance {st[2] / max(st[1], 1):.2f}")
