@@ -275,6 +275,11 @@ class HandoffOffer(Message):
     transports: list[str] = Field(default_factory=lambda: ["tcp"])  # sender's preference order
     host_id: str | None = None  # equal on both sides ⇒ they share memory (see kvtransfer.tcp.host_id)
     compression: Literal["none", "int8", "fp8"] = "none"  # what the sender would like on the wire
+    # Layer streaming: the offer is made before the prompt's last forward, so the KV can flow layer by
+    # layer while it is computed; the first token is not known yet (generated_token_ids is empty) and
+    # reaches decode as prefill's seq-0 "token" event on the request's stream (decode subscribes to it
+    # before replying). A "done" or "error" event from prefill instead means: nothing to continue.
+    first_token_pending: bool = False
 
 
 class HandoffReply(Message):

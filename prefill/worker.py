@@ -24,6 +24,12 @@ the pool runs short. Hits are counted (`pdserve_preposition_*`).
 The worker announces its load and its cached block addresses in its LoadReport (1 Hz), which is
 what the front's router reads.
 
+Layer streaming (`--kv-stream-layers`): when a prompt's last chunk is about to run, the offer
+goes to decode first (from the first layer's pre-hook, once the step's blocks are secured), and
+each layer's KV is sent as soon as that layer's forward is done, so the wire overlaps the compute
+and decode holds the KV moments after the first token. The first token then reaches decode as
+this worker's seq-0 event on the request's stream.
+
 Offload tier (`--prefix-offload`, off by default): after a prompt, its full blocks are also put
 in the JetStream object store (memory storage, TTL), and before a prompt starts, a longer prefix
 found there than in the local cache is fetched into the pool — so any worker, including a new
@@ -41,6 +47,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import nats.errors
+import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.engine.blocks import OutOfBlocks
@@ -59,6 +66,14 @@ _JOB_IDS = itertools.count()
 
 
 @dataclass(eq=False)
+class LayerStream:
+    reply: HandoffReply
+    queue: asyncio.Queue  # (layer index, blocks) as layers finish; an exception aborts the transfer
+    sender: asyncio.Task  # -> the receiver's ACK stats
+    opened_at: float
+
+
+@dataclass(eq=False)
 class Job:
     """One prompt in the scheduler: a request, or a pre-positioning hint (req is None)."""
 
@@ -71,6 +86,7 @@ class Job:
     cached: int = 0  # … of which came from the prefix cache
     prepositioned: bool = False  # the cached part includes pre-positioned blocks
     started_at: float = 0.0  # when its first chunk was scheduled
+    stream: LayerStream | None = None  # its KV is being streamed layer by layer to decode
 
     @property
     def hint(self) -> bool:
@@ -106,6 +122,10 @@ class PrefillWorker(WorkerBase):
         self._cancelled: set[str] = set()
         self._wake = asyncio.Event()
         self.prefix_store = None  # the offload tier, when --prefix-offload
+        self.stream_layers = args.kv_stream_layers and hasattr(self.engine, "model")
+        self._stream_candidates: list[Job] = []  # jobs whose last chunk the running step computes
+        self._streams: list[Job] = []  # … of which decode accepted a streamed offer
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._offload_busy = False
         self._announced: list[str] = []  # cached block addresses, refreshed on the compute thread after each step
         r = self.registry
@@ -161,6 +181,12 @@ class PrefillWorker(WorkerBase):
                     preposition_hits=self.preposition_hits, preposition_computed=self.preposition_computed)
 
     async def on_start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        if self.stream_layers:
+            layers = self.engine.model.layers
+            layers[0].register_forward_pre_hook(lambda m, a: self._open_streams())
+            for i, layer in enumerate(layers):
+                layer.register_forward_hook(lambda m, a, o, i=i: self._layer_done(i))
         # transports in preference order (shm only when decode reports the same host), negotiated per handoff
         self.kv_channel = KVSendChannel(self.nc, sender_id=self.worker_id, generation=self.generation,
                                         transports=self.args.kv_transports.split(","),
@@ -327,7 +353,13 @@ class PrefillWorker(WorkerBase):
                             del self._pp_hashes[h]
             n = min(n, job.remaining)
             batch.append((job, n))
-        logits = self.engine.step([(j.seq_id, j.token_ids[j.done : j.done + n]) for j, n in batch], last_only=True)
+        if self.stream_layers:
+            self._stream_candidates = [j for j, n in batch if not j.hint and n == j.remaining
+                                       and j.req.sampling.max_tokens > 1 and j.stream is None]
+        try:
+            logits = self._forward(batch)
+        finally:
+            self._stream_candidates, self._streams = [], []
         finished = []
         for (job, n), out in zip(batch, logits):
             job.done += n
@@ -345,6 +377,81 @@ class PrefillWorker(WorkerBase):
             finished.append((job, out[-1], kv))
         self._announced = [announced(h) for h in self.engine.cached_hashes(self.args.announce_blocks)]
         return finished
+
+    def _forward(self, batch: list[tuple[Job, int]]):
+        return self.engine.step([(j.seq_id, j.token_ids[j.done : j.done + n]) for j, n in batch], last_only=True)
+
+    # -- layer streaming (compute thread: hooks on the engine's layers) -----------------------
+
+    def _open_streams(self) -> None:
+        """First layer's pre-hook: the step's blocks are secured; offer the completing prompts' KV now."""
+        for job in self._stream_candidates:
+            fut = asyncio.run_coroutine_threadsafe(self._open_stream(job), self.loop)
+            try:
+                job.stream = fut.result(timeout=self.offer_timeout + 1)
+            except Exception as e:  # the ordinary handoff after the step will try again and report
+                log.info("streamed offer for %s not made: %s", job.req.request_id, e)
+            if job.stream is not None:
+                self._streams.append(job)
+        self._stream_candidates = []
+
+    def _layer_done(self, i: int) -> None:
+        """A layer's forward hook: send each streamed prompt's KV of that layer."""
+        for job in self._streams:
+            pool = self.engine.pool
+            idx = torch.tensor(pool.block_table(job.seq_id), dtype=torch.int64, device=pool.kv.device)
+            blocks = pool.kv[i].index_select(0, idx)
+            tail = len(job.token_ids) % pool.block_size
+            if tail:
+                blocks[-1, :, :, tail:] = 0
+            self.loop.call_soon_threadsafe(job.stream.queue.put_nowait, (i, blocks.cpu()))
+
+    async def _open_stream(self, job: Job) -> "LayerStream | None":
+        req, layout, n = job.req, self.runner.layout, len(job.token_ids)
+        offer = HandoffOffer(
+            request_id=req.request_id, sender_id=self.worker_id, sender_generation=self.generation, layout=layout,
+            num_tokens=n, kv_bytes=layout.payload_bytes(n), prompt_token_ids=req.prompt_token_ids,
+            generated_token_ids=[], first_token_pending=True, sampling=req.sampling, seed=req.seed, next_seq=1,
+            failure_policy=req.failure_policy, spec=req.spec, **self.kv_channel.offer_fields(),
+        )
+        raw = await self.nc.request(Subjects.decode_handoff(self.scope, req.decode_worker_id), offer.encode(),
+                                    timeout=self.offer_timeout)
+        reply = HandoffReply.decode(raw.data)
+        if not reply.accepted:
+            return None
+        header = self.kv_channel.header(reply, req.request_id, layout, n)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def layers():
+            for _ in range(layout.num_layers):
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+        self.transfer_backlog += 1
+        self.transfer_backlog_bytes += offer.kv_bytes
+        sender = asyncio.ensure_future(self.kv_channel.send_stream(reply, header, layers()))
+        return LayerStream(reply, queue, sender, time.monotonic())
+
+    async def _finish_stream(self, job: Job) -> None:
+        st, nbytes = job.stream, self.runner.layout.payload_bytes(len(job.token_ids))
+        try:
+            await st.sender
+            self.m_kv_bytes.inc(nbytes)
+            self.m_kv_seconds.observe(time.monotonic() - st.opened_at)
+            self.m_requests.labels("handed_off").inc()
+        except TransferError as e:  # decode owns the request and applies its failure policy
+            log.warning("streamed KV for %s to %s failed: %s", job.req.request_id, st.reply.worker_id, e)
+        finally:
+            self.transfer_backlog -= 1
+            self.transfer_backlog_bytes -= nbytes
+
+    def _abort_stream(self, job: Job, reason: str) -> None:
+        if job.stream is not None:
+            job.stream.queue.put_nowait(TransferError(f"prefill of {job.req.request_id} failed: {reason}"))
+            self.spawn(self._finish_stream(job))
+            job.stream = None
 
     def _drop(self, job: Job) -> None:
         """Forget a job and release its sequence (compute thread)."""
@@ -371,12 +478,14 @@ class PrefillWorker(WorkerBase):
                         self._recent_wait.append(t0 - job.queued_at)
             try:
                 finished = await self.compute(self._step, plan)
-            except OutOfBlocks as e:
+            except OutOfBlocks as e:  # raised before any layer ran: no stream was opened
                 await self._out_of_blocks(plan, e)
                 continue
             except Exception as e:
                 log.exception("prefill step failed for %d prompts", len(plan))
                 for job, _ in plan:
+                    if not job.hint:
+                        self._abort_stream(job, str(e))
                     await self.compute(self._drop, job)
                     await self._finish_job(job, error=f"prefill failed: {e}")
                 continue
@@ -459,6 +568,13 @@ class PrefillWorker(WorkerBase):
                                     usage=Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=1))
                 if self.prefix_store is not None:
                     await self._offload(job, kv)
+                if job.stream is not None:  # decode saw "done" on the stream; let the transfer end
+                    await self._finish_stream(job)
+                return
+            if job.stream is not None:
+                await self._finish_stream(job)
+                if self.prefix_store is not None:
+                    await self._offload(job, kv)
                 return
             await self._handoff(req, kv, [first])
             if self.prefix_store is not None:
@@ -524,6 +640,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preposition-budget-blocks", type=int, default=int(env("PDSERVE_PREPOSITION_BLOCKS", "256")),
                    help="most KV blocks pre-positioned and not yet used (0 turns pre-positioning off)")
     p.add_argument("--preposition-queue", type=int, default=16, help="most pre-positioning hints kept waiting")
+    p.add_argument("--kv-stream-layers", action=argparse.BooleanOptionalAction,
+                   default=env("PDSERVE_KV_STREAM_LAYERS", "0") in ("1", "true", "yes"),
+                   help="send each layer's KV to decode as soon as the prompt's last forward computed it")
     p.add_argument("--prefix-offload", action=argparse.BooleanOptionalAction,
                    default=env("PDSERVE_PREFIX_OFFLOAD", "0") in ("1", "true", "yes"),
                    help="share prefix KV blocks with every worker through the JetStream object store (offload tier)")
