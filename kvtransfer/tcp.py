@@ -17,9 +17,9 @@ header says `shm_verify=false`), END (JSON: chunk count and bytes), ACK (JSON fr
 or an error that names what was wrong). Kind 7 is natsdata's OBJECT.
 
 Layers may arrive in any order (layer streaming sends each as prefill computes it); within a layer
-chunks arrive in offset order. Layers go as CHUNKs of `DEFAULT_CHUNK_BYTES`, small enough that each
-side's crc32 of a chunk reads it from cache next to the socket copy (one `sendmsg` for header and
-payload). The receiver reads payloads straight into preallocated tensors (`recv_into`).
+chunks arrive in offset order. Large layers go as several CHUNKs so the checksum of one overlaps the
+send of the previous (header and payload in one `sendmsg`). The receiver reads payloads straight into
+preallocated tensors (`recv_into`) and checks chunk i's crc while chunk i+1 arrives.
 Every read and write has a bound: a peer that stalls is an error, not a hang.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ ZCHUNK, GRANT = 8, 9
 _ZLEN = struct.Struct("!Q")
 MAX_CONTROL_FRAME = 1 << 20
 MAX_CHUNK = 1 << 31
-DEFAULT_CHUNK_BYTES = 512 << 10  # amortises syscalls, and small enough that its crc leaves it in cache for the send
+DEFAULT_CHUNK_BYTES = 4 << 20  # big enough to amortise syscalls, small enough that crc and send overlap
 SHM_DIR = os.environ.get("PDSERVE_SHM_DIR", "/dev/shm")
 SHM_PREFIX = "pdkv-"
 
@@ -141,7 +141,7 @@ except ImportError:  # pragma: no cover - isal is optional
 
 
 def _crc(mv) -> int:
-    return _fast_crc32(mv)
+    return _fast_crc32(mv)  # both release the GIL on large buffers: a worker thread overlaps it with I/O
 
 
 try:  # ISA-L's deflate: same format as zlib's, several times faster at level 1
@@ -160,8 +160,8 @@ def _deflate(raw: memoryview) -> bytes | None:
     return _ZLEN.pack(len(raw)) + z if len(z) + _ZLEN.size < len(raw) else None
 
 
-# Blocking socket work runs in _POOL (one thread per live transfer side); the deflate of int8 chunks runs
-# in _CRC_POOL, which never blocks on anything, so a busy _POOL cannot starve it.
+# Blocking socket work runs in _POOL (one thread per live transfer side); checksums that overlap it (and the
+# deflate of int8 chunks) run in _CRC_POOL, which never blocks on anything, so a busy _POOL cannot starve them.
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdkv-io")
 _CRC_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-crc")
 
@@ -437,23 +437,25 @@ class _BlockingSender:
         return bool(r)
 
     def send_frames(self, frames: Iterable[tuple[int, int, int, memoryview]], crcs: bool = True) -> None:
-        """Send frames, each header and payload in one `sendmsg`; payload-less headers (SHM) are coalesced.
-
-        The crc of a chunk is taken inline, just before it is sent: chunks are small enough
-        (`DEFAULT_CHUNK_BYTES`) that the kernel's copy then reads them from cache. A crc in another
-        thread read them from memory a second time, and on a busy host the hand-offs cost more than it.
-        """
+        """Send frames, each header and payload in one `sendmsg`; the crc of frame i+1 is computed in a
+        worker thread while frame i goes out. Payload-less headers (SHM) are coalesced into one send."""
+        frames = list(frames)
+        if not frames:
+            return
         small: list = []  # headers waiting to go out with the next payload (or at the end)
         unchecked = 1 << 62  # bytes sent since we last looked for a refusal: look at once
+        nxt = _CRC_POOL.submit(_crc, frames[0][3]) if crcs else None
         try:
-            for kind, layer, offset, payload in frames:
+            for i, (kind, layer, offset, payload) in enumerate(frames):
+                crc = nxt.result() if crcs else getattr(payload, "crc", 0)
+                if crcs and i + 1 < len(frames):
+                    nxt = _CRC_POOL.submit(_crc, frames[i + 1][3])
                 n = len(payload)
                 if unchecked >= _REFUSAL_CHECK_BYTES:
                     unchecked = 0
                     if self._peer_spoke():  # the receiver refused (its ACK is waiting): stop sending
                         self.refused = True
                         return
-                crc = getattr(payload, "crc", 0) if kind == SHM or not crcs else _crc(payload)
                 small.append(_HDR.pack(MAGIC, FRAME_VERSION, kind, layer, crc, offset, n))
                 if kind == SHM or n == 0:
                     continue
@@ -983,21 +985,33 @@ class KVReceiver:
         return lease
 
     def _receive_body(self, sock: socket.socket, asm: Assembly, leases: list) -> None:
-        """Frames until END, each payload received in place and its crc checked right after, while the
-        bytes the kernel just wrote are still in cache. A shm transfer first gets its segment (GRANT),
-        appended to `leases` for the caller to settle."""
+        """Frames until END, each payload received in place; crc of chunk i checked while chunk i+1 arrives.
+        A shm transfer first gets its segment (GRANT), appended to `leases` for the caller to settle."""
+        pending = None  # (future crc, expected crc, kind, layer, length)
         lease = None
         if asm.header.transport == "shm":
             lease = self._grant(sock, asm.header)
             leases.append(lease)
+
+        def settle():
+            nonlocal pending
+            if pending is not None:
+                fut, crc, kind, layer, length = pending
+                pending = None
+                if fut.result() != crc:
+                    raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
+                asm.commit(kind, layer, length)
+
         while True:
             kind, layer, crc, offset, length = self._read_header(sock, MAX_CHUNK)
             if kind == END:
+                settle()
                 payload = bytes(self._read_into(sock, bytearray(length)))
                 if zlib.crc32(payload) != crc:
                     raise TransferError("corrupt END frame")
                 return
             if kind == SHM:
+                settle()
                 if lease is None:
                     raise TransferError("shared-memory frame in a TCP transfer")
                 if offset + length > lease.nbytes:
@@ -1007,16 +1021,18 @@ class KVReceiver:
                     raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
                 asm.adopt(layer, view)
                 continue
-            if kind == ZCHUNK:  # inflated into place
+            if kind == ZCHUNK:  # inflated into place: settled at once (compressed transfers are CPU-bound)
+                settle()
                 payload = self._read_into(sock, bytearray(length))
                 if _crc(payload) != crc:
                     raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
                 asm.inflate(layer, offset, payload)
                 continue
             mv = self._read_into(sock, asm.target(kind, layer, offset, length))
-            if _crc(mv) != crc:
-                raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
-            asm.commit(kind, layer, length)
+            settle()
+            pending = (_CRC_POOL.submit(_crc, mv), crc, kind, layer, length)
+            if kind == CHUNK and offset + length == asm.wire_bytes and asm.eager():
+                settle()  # a streaming consumer waits: hand the finished layer over now
 
     def _send_ack(self, sock: socket.socket, ack: dict) -> None:
         try:
