@@ -8,12 +8,15 @@ so it is the CPU of the whole transfer; NATS server CPU is not included) for:
     ("objstore"), direct TCP with int8 compression, raw TCP (socket.sendall / recv_into in two
     threads, no framing, no checksums) and memcpy (torch copy_ into preallocated tensors).
 
-Then layer streaming vs send-after-prefill with a simulated per-layer compute delay, and (with
---accuracy, needs the model) int8/fp8 greedy agreement and perplexity on the real default model.
+Then the int8 wire-byte ratios against bf16 and fp32, measured on the real default model's KV (the
+deflate pass after quantisation depends on the values, so random KV would say nothing), layer
+streaming vs send-after-prefill with a simulated per-layer compute delay, and (with --accuracy)
+int8/fp8 greedy agreement and perplexity on the real default model.
 
     python bench/kv_channel.py                        # 16 MiB and 256 MiB, ~3 min on 2 cores
     python bench/kv_channel.py --sizes 16,256,1024    # adds the 1 GiB row (several more minutes)
     python bench/kv_channel.py --json out.json --accuracy
+    python bench/kv_channel.py --methods "direct TCP,shm" --reps 3 --no-bytes --no-streaming  # a subset
 """
 from __future__ import annotations
 
