@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout, dtype_name
 from pdserve.modelstore import model_fingerprint
@@ -37,7 +37,11 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
 
 
 class ModelRunner:
-    """One model on one device. Not thread-safe: call it from one compute thread."""
+    """One model on one device. Not thread-safe: call it from one compute thread.
+
+    The tokenizer, config, KV layout and stop tokens are read at once; the `transformers` weights
+    load on first use of `model` — a worker that computes with the paged engine never loads them.
+    """
 
     def __init__(
         self,
@@ -50,9 +54,9 @@ class ModelRunner:
     ):
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
+        self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
-        cfg = self.model.config
+        cfg = AutoConfig.from_pretrained(self.model_dir)
         self.config = cfg
         self.name = served_name or self.model_dir.name
         self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
@@ -66,15 +70,28 @@ class ModelRunner:
             dtype=dtype_name(dtype),
             block_size=block_size,
         )
-        eos = self.model.generation_config.eos_token_id
+        try:
+            eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+        except OSError:  # no generation_config.json: the model config's
+            eos = getattr(cfg, "eos_token_id", None)
         self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        # transformers 5.24 renamed `past_key_values` to `cache` (the old name goes in 5.40);
-        # the GPU machines run 5.17, which only has the old one.
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._model = None
+        self._cache_kw = "cache"
         self.lock = threading.Lock()
+
+    @property
+    def model(self):
+        """The `transformers` model, loaded on first use."""
+        if self._model is None:
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device).eval()
+            # transformers 5.24 renamed `past_key_values` to `cache` (the old name goes in 5.40);
+            # the GPU machines run 5.17, which only has the old one.
+            params = inspect.signature(model.forward).parameters
+            self._cache_kw = "cache" if "cache" in params else "past_key_values"
+            self._model = model
+        return self._model
 
     # -- forward passes -------------------------------------------------------------------
 

@@ -163,7 +163,7 @@ class PrefillWorker(WorkerBase):
             from pdserve.engine.runner import PagedRunner
 
             blocks = max(16, args.kv_capacity_bytes // (layout.block_bytes * layout.num_layers))
-            engine = PagedRunner(self.runner.model_dir, dtype=self.runner.model.dtype, device=args.device,
+            engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
                                  block_size=layout.block_size, num_blocks=blocks)
             layout.check_matches(engine.layout, what="paged engine")
             return engine
