@@ -150,17 +150,19 @@ def _decode_reference(q: torch.Tensor, kv_by_head: torch.Tensor, block_tables: t
     if ragged:  # entries past a sequence's blocks may be anything: read block 0 there instead
         past = torch.arange(nb, device=blocks.device)[None, :] * block_size >= seq_lens.to(blocks.device)[:, None]
         blocks = blocks.masked_fill(past, 0)
-    kv = kv_by_head.index_select(2, blocks.view(-1)).view(2, kv_heads, s, nb * block_size, head_dim)[..., :longest, :]
-    k, v = kv[0].float(), kv[1].float()  # [kv_heads, S, L, D]
-    # GQA as rows: the `group` query heads of a kv head are the rows of one [group, D] @ [D, L] per sequence
-    qs = q.float().view(s, kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, S, group, D]
-    scores = torch.matmul(qs, k.transpose(-1, -2)).mul_(scale)  # [kv_heads, S, group, L]
+    kv = kv_by_head.index_select(2, blocks.view(-1)).view(2, kv_heads * s, nb * block_size, head_dim)[:, :, :longest]
+    k, v = kv[0].float(), kv[1].float()  # [kv_heads * S, L, D]
+    # GQA as rows: the `group` query heads of a kv head are the rows of one [group, D] @ [D, L] per
+    # sequence; bmm over (kv head, sequence) pairs, as 3-D tensors (4-D matmul costs several more ops)
+    qs = q.float().view(s, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads * s, group, head_dim)
+    scores = torch.bmm(qs, k.transpose(1, 2)).mul_(scale)  # [kv_heads * S, group, L]
     if ragged:
         pad = torch.arange(longest, device=scores.device)[None, :] >= seq_lens.to(scores.device)[:, None]  # [S, L]
-        scores.masked_fill_(pad[None, :, None, :], float("-inf"))
-        v = v.masked_fill(pad[None, :, :, None], 0.0)
+        pad = pad.repeat(kv_heads, 1)  # [kv_heads * S, L], kv head major like k and v
+        scores.masked_fill_(pad[:, None, :], float("-inf"))
+        v = v.masked_fill(pad[:, :, None], 0.0)
     probs = torch.softmax(scores, dim=-1)
-    o = torch.matmul(probs, v)  # [kv_heads, S, group, D]
+    o = torch.bmm(probs, v).view(kv_heads, s, group, head_dim)
     return o.transpose(0, 1).reshape(s, q_heads, head_dim).to(q.dtype)
 
 
