@@ -2,7 +2,7 @@
 
 NATS only brokers the rendezvous (a one-time transfer token and the receiver's address, in
 the `HandoffReply`); the bytes go straight between the two workers. Frame layout, all
-big-endian (frame version 2):
+big-endian (frame version 3, which added ZCHUNK and GRANT; a version-2 shm sender wrote its own segment):
 
     magic "PDKV" | version u8 | kind u8 | layer u16 | crc32 u32 | offset u64 | length u64 | payload
 
@@ -49,7 +49,7 @@ from pdserve.kvtransfer.shm import POOL_PREFIX, Lease, ShmPool, map_for_write, r
 log = logging.getLogger("pdserve.kvtransfer.tcp")
 
 MAGIC = b"PDKV"
-FRAME_VERSION = 2
+FRAME_VERSION = 3
 _HDR = struct.Struct("!4sBBHIQQ")
 HELLO, CHUNK, END, ACK, SCALES, SHM = 1, 2, 3, 4, 5, 6
 ZCHUNK, GRANT = 8, 9
