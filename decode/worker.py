@@ -125,7 +125,7 @@ class DecodeWorker(WorkerBase):
             from pdserve.engine.runner import PagedRunner
 
             blocks = max(16, args.kv_capacity_bytes // (self.runner.layout.block_bytes * self.runner.layout.num_layers))
-            engine = PagedRunner(self.runner.model_dir, dtype=self.runner.model.dtype, device=args.device,
+            engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
                                  block_size=self.runner.layout.block_size, num_blocks=blocks)
             self.runner.layout.check_matches(engine.layout, what="paged engine")
             return engine
@@ -202,21 +202,63 @@ class DecodeWorker(WorkerBase):
             await msg.respond(refuse(str(e)).encode())
             return
         token = reply.transfer_token
+        first = None
+        if offer.first_token_pending:  # subscribed before replying, so prefill's seq-0 event cannot be missed
+            first = await self._watch_first_token(offer)
         self.receiving += 1
         self.receiving_tokens += offer.num_tokens
         await msg.respond(reply.encode())
         self.m_handoffs.labels("accepted").inc()
-        self.spawn(self._receive(offer, token, time.monotonic()))
+        self.spawn(self._receive(offer, token, time.monotonic(), first))
 
-    async def _receive(self, offer: HandoffOffer, token: str, accepted_at: float) -> None:
+    async def _watch_first_token(self, offer: HandoffOffer):
+        """Layer-streamed offer: (future of the first token's ids — None if prefill ended the request
+        itself —, the subscription) from prefill's events on the request's stream."""
+        fut = asyncio.get_running_loop().create_future()
+
+        async def on_event(msg) -> None:
+            try:
+                ev = StreamEvent.decode(msg.data)
+            except ProtocolError:
+                return
+            if ev.worker_id != offer.sender_id or fut.done():
+                return
+            if ev.kind == "token" and ev.seq == 0:
+                fut.set_result(list(ev.token_ids))
+            elif ev.kind in ("done", "error"):
+                fut.set_result(None)
+
+        sub = await self.nc.subscribe(Subjects.stream(offer.request_id), cb=on_event)
+        return fut, sub
+
+    async def _first_token(self, offer: HandoffOffer, first) -> bool:
+        """Layer-streamed offer: wait (bounded) for prefill's first token and put it in the offer.
+        False if there is nothing to continue: prefill finished or failed the request itself, or went
+        silent (it is still the responsible worker then: the front reports it)."""
+        fut, sub = first
+        try:
+            ids = await asyncio.wait_for(fut, self.transfer_timeout)
+        except asyncio.TimeoutError:
+            log.warning("first token of %s never came from %s", offer.request_id, offer.sender_id)
+            ids = None
+        finally:
+            await sub.unsubscribe()
+        if not ids:
+            return False
+        offer.generated_token_ids = ids
+        return True
+
+    async def _receive(self, offer: HandoffOffer, token: str, accepted_at: float, first=None) -> None:
         rid = offer.request_id
-        stream = TextStream(self.runner.tokenizer, offer.sampling, self.runner.eos_token_ids,
-                            generated=offer.generated_token_ids)
-        seq = Sequence(offer, stream, offer.next_seq, list(offer.generated_token_ids),
-                       max_k=self._request_max_k(offer))
+        seq = None
         try:
             try:
                 kv, stats = await self.kv_channel.wait(token, self.transfer_timeout)
+                if first is not None and not await self._first_token(offer, first):
+                    return
+                seq = self._sequence(offer)
+                if seq.stream.done:  # the first token ended it (a stop): prefill reported "done"
+                    return
                 await self.compute(self.engine.import_kv, rid, kv, offer.prompt_token_ids)
                 del kv
                 self.m_kv_bytes.inc(stats["bytes"])
@@ -224,6 +266,11 @@ class DecodeWorker(WorkerBase):
                 await self._emit(seq, kind="handoff", kv_bytes=stats["bytes"],
                                  kv_seconds=time.monotonic() - accepted_at)
             except TransferError as e:
+                if first is not None and not await self._first_token(offer, first):
+                    return
+                seq = self._sequence(offer)
+                if seq.stream.done:
+                    return
                 if offer.failure_policy != "recompute":
                     await self._emit(seq, kind="error", error=f"KV handoff failed: {e}", error_type="kv_transfer_error",
                                      status=502)
@@ -234,8 +281,9 @@ class DecodeWorker(WorkerBase):
                 await self.compute(self.engine.prefill, rid, offer.prompt_token_ids)
             except Exception as e:  # e.g. the pool filled up while the KV was in flight
                 log.exception("admitting %s failed", rid)
-                self.engine.free(rid)
-                await self._emit(seq, kind="error", error=f"decode could not admit the request: {e}",
+                if rid in self.engine:
+                    self.engine.free(rid)
+                await self._emit(seq or self._sequence(offer), kind="error", error=f"decode could not admit the request: {e}",
                                  error_type="unavailable", status=503)
                 return
         finally:
@@ -248,6 +296,12 @@ class DecodeWorker(WorkerBase):
         self.running[rid] = seq
         self.m_running.set(len(self.running))
         self._wake.set()
+
+    def _sequence(self, offer: HandoffOffer) -> Sequence:
+        stream = TextStream(self.runner.tokenizer, offer.sampling, self.runner.eos_token_ids,
+                            generated=offer.generated_token_ids)
+        return Sequence(offer, stream, offer.next_seq, list(offer.generated_token_ids),
+                        max_k=self._request_max_k(offer))
 
     def _request_max_k(self, offer: HandoffOffer) -> int:
         spec = offer.spec or {}
@@ -435,7 +489,14 @@ class DecodeWorker(WorkerBase):
                 if s.request_id not in self.running:  # cancelled while the step ran
                     self._release(s)
                     continue
-                await self._commit(s, d, tokens, dt)
+                try:
+                    await self._commit(s, d, tokens, dt)
+                except Exception as e:  # one request's bug must not stop the loop for everyone
+                    log.exception("committing tokens of %s failed", s.request_id)
+                    if self.running.pop(s.request_id, None) is not None:
+                        self._release(s)
+                        await self._emit(s, kind="error", error=f"decode failed: {e}", error_type="server_error",
+                                         status=500)
 
     async def _commit(self, s: Sequence, draft, tokens: list[int], step_seconds: float) -> None:
         rid = s.request_id

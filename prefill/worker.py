@@ -152,6 +152,8 @@ class PrefillWorker(WorkerBase):
         Gauge("pdserve_transfer_backlog_bytes", "KV bytes waiting or in flight", registry=r
               ).set_function(lambda: self.transfer_backlog_bytes)
         self.m_kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes sent to decode", registry=r)
+        self.m_streamed = Counter("pdserve_kv_layer_streamed_total", "handoffs whose KV left layer by layer "
+                                  "during the prompt's last forward", registry=r)
         self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV handoff time (offer to ACK)", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
 
@@ -438,6 +440,7 @@ class PrefillWorker(WorkerBase):
         st, nbytes = job.stream, self.runner.layout.payload_bytes(len(job.token_ids))
         try:
             await st.sender
+            self.m_streamed.inc()
             self.m_kv_bytes.inc(nbytes)
             self.m_kv_seconds.observe(time.monotonic() - st.opened_at)
             self.m_requests.labels("handed_off").inc()
@@ -641,7 +644,7 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="most KV blocks pre-positioned and not yet used (0 turns pre-positioning off)")
     p.add_argument("--preposition-queue", type=int, default=16, help="most pre-positioning hints kept waiting")
     p.add_argument("--kv-stream-layers", action=argparse.BooleanOptionalAction,
-                   default=env("PDSERVE_KV_STREAM_LAYERS", "0") in ("1", "true", "yes"),
+                   default=env("PDSERVE_KV_STREAM_LAYERS", "1") in ("1", "true", "yes"),
                    help="send each layer's KV to decode as soon as the prompt's last forward computed it")
     p.add_argument("--prefix-offload", action=argparse.BooleanOptionalAction,
                    default=env("PDSERVE_PREFIX_OFFLOAD", "0") in ("1", "true", "yes"),

@@ -74,9 +74,11 @@ def load_reports(cluster, role: str, seconds: float = 1.5) -> dict[str, LoadRepo
 
 @pytest.fixture(scope="module")
 def cluster(nats_server, model_dir):
-    # Small chunks and budget so that scheduling is visible with short prompts.
+    # Small chunks and budget so that scheduling is visible with short prompts; the KV sent after
+    # prefill (every other cluster streams it layer by layer, the default).
     c = LocalCluster(str(model_dir), prefill_workers=1, decode_workers=1, nats=nats_server.creds,
-                     worker_args={"prefill": ["--chunk-size", "128", "--max-batch-tokens", "256"]})
+                     worker_args={"prefill": ["--chunk-size", "128", "--max-batch-tokens", "256",
+                                              "--no-kv-stream-layers"]})
     c.start()
     yield c
     c.stop()
@@ -282,3 +284,35 @@ def test_offload_tier_lets_another_worker_skip_a_stored_prefix(nats_server, mode
                                                   "return_token_ids": True, "ignore_eos": True})
         assert s == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert out["choices"][0]["token_ids"] == hf_greedy(hf, other, 4)
+
+
+def test_layer_streamed_handoff_gives_the_same_tokens_and_stops_at_a_first_token_stop(nats_server, model_dir, hf):
+    """The default handoff streams each layer's KV during the prompt's last forward (checked on
+    prefill's metrics); decode continues from the first token it reads off the stream. A request whose
+    first token already stops it is finished by prefill and never continued by decode."""
+    import urllib.request
+
+    from pdserve.natsserver import free_port
+
+    tok = hf[0]
+    port = free_port()
+    with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds,
+                      worker_args={"prefill": ["--metrics-port", str(port)]}) as c:
+        def streamed() -> float:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("pdserve_kv_layer_streamed_total "))
+
+        ids = tok.encode(LONG, add_special_tokens=False)[:700]
+        s, out = post(c.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 10, "temperature": 0,
+                                                  "return_token_ids": True, "ignore_eos": True})
+        assert s == 200 and out["choices"][0]["token_ids"] == hf_greedy(hf, ids, 10)
+        assert wait_for(lambda: streamed() >= 1, "prefill to count the streamed handoff", 10)
+        first = tok.decode(hf_greedy(hf, ids, 1))
+        s, out = post(c.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 10, "temperature": 0,
+                                                  "stop": [first.strip() or first], "return_token_ids": True})
+        assert s == 200, out
+        assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 1
+        # decode is still healthy afterwards
+        s, out = post(c.url + "/v1/completions", {"model": MODEL, "prompt": ids[:50], "max_tokens": 4, "temperature": 0,
+                                                  "return_token_ids": True, "ignore_eos": True})
+        assert s == 200 and out["choices"][0]["token_ids"] == hf_greedy(hf, ids[:50], 4)
