@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -104,14 +105,24 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_tabl
         blocks = block_tables[i, :nb].to(device=kv_pool.device, dtype=torch.int64)
         kv = kv_by_head.index_select(2, blocks).view(2, kv_heads, nb * block_size, head_dim)[:, :, :length].float()
         k, v = kv[0], kv[1]
+        if n > 1:
+            # A prompt chunk or a verification: causal among the new tokens, which sit at the end of the
+            # sequence. SDPA (its fused CPU kernel; GQA without copying K/V) instead of materialising
+            # scores: a 2,000-token prompt in 256-token chunks prefilled 1.6x slower than HF without it.
+            qh = q[q0:q1].float().transpose(0, 1)[None]  # [1, q_heads, n, D]
+            if n == length:
+                o = F.scaled_dot_product_attention(qh, k[None], v[None], is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                visible = (torch.arange(length, device=q.device)[None, :]
+                           <= torch.arange(length - n, length, device=q.device)[:, None])
+                o = F.scaled_dot_product_attention(qh, k[None], v[None], attn_mask=visible, scale=scale,
+                                                   enable_gqa=True)
+            out[q0:q1] = o[0].transpose(0, 1).to(q.dtype)
+            continue
         # GQA without copying K/V per query head: the `group` query heads of a KV head become rows of
         # one matmul. Query head h = kvh * group + g reads KV head kvh (as repeat_interleave would).
         qs = q[q0:q1].float().view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, head_dim)
         scores = torch.matmul(qs, k.transpose(1, 2)).mul_(scale).view(kv_heads, group, n, length)
-        if n > 1:  # causal among the new tokens; a single query sees the whole sequence
-            q_pos = torch.arange(length - n, length, device=q.device)[:, None]
-            k_pos = torch.arange(length, device=q.device)[None, :]
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(kv_heads, group * n, length)
         o = torch.matmul(probs, v).view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)  # [n, kvh, group, D]
         out[q0:q1] = o.reshape(n, q_heads, head_dim).to(q.dtype)
