@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from bench.sse import delta_text, sse_events  # noqa: E402
+
 LONG = (Path(__file__).resolve().parent.parent / "tests" / "data" / "long_prompt.txt").read_text()
 
 
@@ -69,21 +71,16 @@ def stream(url: str, model: str, body: dict) -> dict:
     body = {"model": model, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}, **body}
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     stamps, usage, text = [], {}, []
-    with urllib.request.urlopen(req, timeout=900) as r:
-        for raw in r:
-            if not raw.startswith(b"data: {"):
-                continue
-            ev = json.loads(raw[6:])
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for ch in ev.get("choices", []):
-                piece = ch["delta"].get("content") if "delta" in ch else ch.get("text")
-                if piece:
-                    stamps.append(time.perf_counter() - t0)
-                    text.append(piece)
+    for ev in sse_events(url, path, body):
+        if ev.get("usage"):
+            usage = ev["usage"]
+        for ch in ev.get("choices", []):
+            piece = delta_text(ch)
+            if piece:
+                stamps.append(time.perf_counter() - t0)
+                text.append(piece)
     return {"stamps": stamps, "usage": usage, "text": "".join(text), "sent": t0}
 
 

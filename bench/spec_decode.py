@@ -27,7 +27,6 @@ import os
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from bench.sse import sse_events  # noqa: E402
 from bench.workloads import get_workloads  # noqa: E402
 
 
@@ -50,27 +50,21 @@ def stream_request(url: str, model: str, messages, max_tokens: int, spec: bool, 
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "return_token_ids": True,
             "speculation": {"enabled": spec}}
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     first = last = None
     cpu_first = cpu_last = 0.0
     text, usage = [], {}
-    with urllib.request.urlopen(req, timeout=900) as r:
-        for raw in r:
-            if not raw.startswith(b"data: {"):
-                continue
-            ev = json.loads(raw[6:])
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for ch in ev.get("choices", []):
-                if ch["delta"].get("content"):
-                    now = time.perf_counter()
-                    cpu = cpu_clock() if cpu_clock else 0.0
-                    if first is None:
-                        first, cpu_first = now, cpu
-                    last, cpu_last = now, cpu
-                    text.append(ch["delta"]["content"])
+    for ev in sse_events(url, "/v1/chat/completions", body):
+        if ev.get("usage"):
+            usage = ev["usage"]
+        for ch in ev.get("choices", []):
+            if ch["delta"].get("content"):
+                now = time.perf_counter()
+                cpu = cpu_clock() if cpu_clock else 0.0
+                if first is None:
+                    first, cpu_first = now, cpu
+                last, cpu_last = now, cpu
+                text.append(ch["delta"]["content"])
     n = usage.get("completion_tokens", 0)
     spec_u = usage.get("speculation", {})
     return {"tokens": n, "ttft_s": (first or t0) - t0, "decode_s": (last - first) if first else 0.0,
