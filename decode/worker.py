@@ -254,10 +254,7 @@ class DecodeWorker(WorkerBase):
         try:
             try:
                 kv, stats = await self.kv_channel.wait(token, self.transfer_timeout)
-                if first is not None and not await self._first_token(offer, first):
-                    return
-                seq = self._sequence(offer)
-                if seq.stream.done:  # the first token ended it (a stop): prefill reported "done"
+                if (seq := await self._continuation(offer, first)) is None:
                     return
                 await self.compute(self.engine.import_kv, rid, kv, offer.prompt_token_ids)
                 del kv
@@ -266,10 +263,7 @@ class DecodeWorker(WorkerBase):
                 await self._emit(seq, kind="handoff", kv_bytes=stats["bytes"],
                                  kv_seconds=time.monotonic() - accepted_at)
             except TransferError as e:
-                if first is not None and not await self._first_token(offer, first):
-                    return
-                seq = self._sequence(offer)
-                if seq.stream.done:
+                if (seq := await self._continuation(offer, first)) is None:
                     return
                 if offer.failure_policy != "recompute":
                     await self._emit(seq, kind="error", error=f"KV handoff failed: {e}", error_type="kv_transfer_error",
@@ -296,6 +290,15 @@ class DecodeWorker(WorkerBase):
         self.running[rid] = seq
         self.m_running.set(len(self.running))
         self._wake.set()
+
+    async def _continuation(self, offer: HandoffOffer, first) -> Sequence | None:
+        """The sequence decode continues, or None when there is nothing to continue: a layer-streamed
+        offer whose first token never came (`_first_token`), or a first token that already ended the
+        request (a stop: prefill reported "done")."""
+        if first is not None and not await self._first_token(offer, first):
+            return None
+        seq = self._sequence(offer)
+        return None if seq.stream.done else seq
 
     def _sequence(self, offer: HandoffOffer) -> Sequence:
         stream = TextStream(self.runner.tokenizer, offer.sampling, self.runner.eos_token_ids,
