@@ -372,7 +372,7 @@ class Generation:
 
     def next_turn_ids(self) -> list[int]:
         """The likeliest start of this conversation's next request: everything so far plus the answer."""
-        if self.req.__class__.__name__ == "ChatCompletionRequest":
+        if isinstance(self.req, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in self.req.messages]
             messages.append({"role": "assistant", "content": "".join(self.text)})
             return self.front.next_user_turn_ids(messages)

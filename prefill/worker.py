@@ -410,12 +410,7 @@ class PrefillWorker(WorkerBase):
 
     async def _open_stream(self, job: Job) -> "LayerStream | None":
         req, layout, n = job.req, self.runner.layout, len(job.token_ids)
-        offer = HandoffOffer(
-            request_id=req.request_id, sender_id=self.worker_id, sender_generation=self.generation, layout=layout,
-            num_tokens=n, kv_bytes=layout.payload_bytes(n), prompt_token_ids=req.prompt_token_ids,
-            generated_token_ids=[], first_token_pending=True, sampling=req.sampling, seed=req.seed, next_seq=1,
-            failure_policy=req.failure_policy, spec=req.spec, **self.kv_channel.offer_fields(),
-        )
+        offer = self._offer(req, layout, n, layout.payload_bytes(n), [], first_token_pending=True)
         raw = await self.nc.request(Subjects.decode_handoff(self.scope, req.decode_worker_id), offer.encode(),
                                     timeout=self.offer_timeout)
         reply = HandoffReply.decode(raw.data)
@@ -586,13 +581,19 @@ class PrefillWorker(WorkerBase):
             log.exception("prefill of %s failed", req.request_id)
             await self._fail(req, 1, f"prefill failed: {e}")
 
-    async def _handoff(self, req: PrefillRequest, kv, generated: list[int]) -> None:
-        offer = HandoffOffer(
-            request_id=req.request_id, sender_id=self.worker_id, sender_generation=self.generation,
-            layout=kv.layout, num_tokens=kv.num_tokens, kv_bytes=kv.nbytes, prompt_token_ids=req.prompt_token_ids,
-            generated_token_ids=generated, sampling=req.sampling, seed=req.seed, next_seq=1,
-            failure_policy=req.failure_policy, spec=req.spec, **self.kv_channel.offer_fields(),
+    def _offer(self, req: PrefillRequest, layout, num_tokens: int, kv_bytes: int, generated: list[int],
+               first_token_pending: bool = False) -> HandoffOffer:
+        """The handoff offer of a request's KV, fenced by this worker's identity and generation."""
+        return HandoffOffer(
+            request_id=req.request_id, sender_id=self.worker_id, sender_generation=self.generation, layout=layout,
+            num_tokens=num_tokens, kv_bytes=kv_bytes, prompt_token_ids=req.prompt_token_ids,
+            generated_token_ids=generated, first_token_pending=first_token_pending, sampling=req.sampling,
+            seed=req.seed, next_seq=1, failure_policy=req.failure_policy, spec=req.spec,
+            **self.kv_channel.offer_fields(),
         )
+
+    async def _handoff(self, req: PrefillRequest, kv, generated: list[int]) -> None:
+        offer = self._offer(req, kv.layout, kv.num_tokens, kv.nbytes, generated)
         self.transfer_backlog += 1
         self.transfer_backlog_bytes += kv.nbytes
         t0 = time.monotonic()
