@@ -5,8 +5,9 @@ of a prompt prefills only the rest (prefix reuse); a decode worker that lost a t
 instead of recomputing. Objects live in a memory-storage bucket with a TTL, so nothing outlives
 its usefulness even when the worker that stored it is gone.
 
-Addressing (as vLLM's prefix cache and LMCache do): block i of a prompt (tokens
-`[i*bs, (i+1)*bs)`) is named by `h_i = sha256(h_{i-1} || tokens of block i)`, so equal prefixes
+Addressing (as vLLM's prefix cache and LMCache do, and as the workers' own prefix caches do —
+`protocol.prefix_hashes`): block i of a prompt (tokens `[i*bs, (i+1)*bs)`) is named by
+`h_i = sha256(h_{i-1} || tokens of block i)`, so equal prefixes
 share names and one block can serve every prompt that starts the same way. Only full blocks are
 stored. One object per block holds that block for every layer, as `kvtransfer.tcp` frames: a
 HELLO-kind JSON frame (layout, block index, hash) then one CHUNK per layer, each with its crc32.
@@ -16,13 +17,13 @@ fields that differ) and every chunk's checksum is checked (a corrupt object is a
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 
 import torch
 
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout
+from pdserve.kvtransfer.protocol import prefix_hashes
 from pdserve.kvtransfer.natsdata import _split, ensure_bucket
 from pdserve.kvtransfer.tcp import CHUNK, HELLO, MAX_CHUNK, TransferError, _crc, _frame, tensor_bytes
 
@@ -37,13 +38,9 @@ class PrefixCorrupt(TransferError):
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[str]:
-    """Hash chain over the full blocks of `token_ids`: element i names the prefix of (i+1) blocks."""
-    out, h = [], b""
-    for i in range(len(token_ids) // block_size):
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        h = hashlib.sha256(h + b"".join(int(t).to_bytes(4, "little", signed=False) for t in block)).digest()
-        out.append(h.hex()[:40])
-    return out
+    """Object names of the full blocks of `token_ids`: element i names the prefix of (i+1) blocks, by the
+    hash chain the prefix caches and the router use (`protocol.prefix_hashes`)."""
+    return [h.hex()[:40] for h in prefix_hashes(token_ids, block_size)]
 
 
 class KVPrefixStore:
