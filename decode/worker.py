@@ -125,8 +125,9 @@ class DecodeWorker(WorkerBase):
             from pdserve.engine.runner import PagedRunner
 
             blocks = max(16, args.kv_capacity_bytes // (self.runner.layout.block_bytes * self.runner.layout.num_layers))
+            # no prefix cache: decode never looks prompts up, and cached blocks would fragment the free space
             engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
-                                 block_size=self.runner.layout.block_size, num_blocks=blocks)
+                                 block_size=self.runner.layout.block_size, num_blocks=blocks, prefix_cache=False)
             self.runner.layout.check_matches(engine.layout, what="paged engine")
             return engine
         if args.engine == "paged":

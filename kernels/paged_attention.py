@@ -82,8 +82,13 @@ def _check_values(t, block_size, max_blocks, seq_lens: list[int], query_start: l
 
 
 def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                              query_start: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain-torch paged attention; same contract as :func:`paged_attention`."""
+                              query_start: torch.Tensor, scale: float, runs: list[int] | None = None) -> torch.Tensor:
+    """Plain-torch paged attention; same contract as :func:`paged_attention`.
+
+    `runs` (optional, per sequence): the first block of its table when its blocks are consecutive
+    (b, b+1, ...), else -1. Where the pool is laid out head-major (``BlockPool``), such a sequence's
+    K and V are read as a view of the pool instead of gathered (a copy of its whole KV).
+    """
     t, q_heads, head_dim, kv_heads, block_size, s = _check_inputs(q, kv_pool, block_tables, seq_lens, query_start)
     lens = seq_lens.tolist()
     starts = query_start.tolist()
@@ -93,15 +98,26 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_tabl
     # blocks along dim 2 yields its K and V already as [kv_heads, tokens, head_dim], in ONE copy of just
     # its blocks (gathering [nb, 2, kvh, bs, D] and then permuting copied the sequence's KV twice)
     kv_by_head = kv_pool.permute(1, 2, 0, 3, 4)
+    if runs is None or kv_by_head.stride(2) != block_size * kv_by_head.stride(3):
+        runs = [-1] * s  # no hint, or a pool whose blocks are not stored head-major: gather
     if t == s and starts == list(range(s + 1)):  # decode: one query per sequence
         # Sequences of similar length together: padding each group to its own longest gathers and
         # attends far fewer padded tokens than padding all to the batch's longest (about half, for
         # lengths spread evenly), for one gather and two matmuls more per group.
-        groups = _length_groups(lens)
+        # A sequence whose blocks are consecutive is read in place, on its own.
+        groups = [[i] for i in range(s) if runs[i] >= 0]
+        rest = [i for i in range(s) if runs[i] < 0]
+        if rest:
+            groups += [[rest[j] for j in g] for g in _length_groups([lens[i] for i in rest])]
         if len(groups) == 1:
-            return _decode_reference(q, kv_by_head, block_tables, seq_lens, lens, scale)
+            return _decode_reference(q, kv_by_head, block_tables, seq_lens, lens, scale, runs[0])
         out = torch.empty_like(q)
         for g in groups:
+            if len(g) == 1:
+                i = g[0]
+                out[i : i + 1] = _decode_reference(q[i : i + 1], kv_by_head, block_tables[i : i + 1], seq_lens[i : i + 1],
+                                                   [lens[i]], scale, runs[i])
+                continue
             idx = torch.tensor(g, device=q.device)
             out[idx] = _decode_reference(q[idx], kv_by_head, block_tables[idx], seq_lens[idx],
                                          [lens[i] for i in g], scale)
@@ -112,9 +128,7 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_tabl
         n = q1 - q0
         if n == 0:
             continue
-        nb = -(-length // block_size)
-        blocks = block_tables[i, :nb].to(device=kv_pool.device, dtype=torch.int64)
-        kv = kv_by_head.index_select(2, blocks).view(2, kv_heads, nb * block_size, head_dim)[:, :, :length].float()
+        kv = _sequence_kv(kv_by_head, block_tables[i], length, runs[i]).float()
         k, v = kv[0], kv[1]
         if n > 1:
             # A prompt chunk or a verification: causal among the new tokens, which sit at the end of the
@@ -161,8 +175,20 @@ def _length_groups(lens: list[int]) -> list[list[int]]:
 _GROUP_COST_TOKENS = 32
 
 
+def _sequence_kv(kv_by_head: torch.Tensor, table: torch.Tensor, length: int, run: int) -> torch.Tensor:
+    """One sequence's K and V `[2, kv_heads, length, head_dim]`: a view of the pool when its blocks are the
+    consecutive run starting at block `run` (>= 0, head-major pool), else a gather of its blocks."""
+    _, kv_heads, _, block_size, head_dim = kv_by_head.shape
+    nb = -(-length // block_size)
+    if run >= 0:
+        kv = kv_by_head[:, :, run : run + nb]
+    else:
+        kv = kv_by_head.index_select(2, table[:nb].to(device=kv_by_head.device, dtype=torch.int64))
+    return kv.view(2, kv_heads, nb * block_size, head_dim)[:, :, :length]
+
+
 def _decode_reference(q: torch.Tensor, kv_by_head: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      lens: list[int], scale: float) -> torch.Tensor:
+                      lens: list[int], scale: float, run: int = -1) -> torch.Tensor:
     """Decode (one query per sequence, the last token) for S sequences at once: one gather, two matmuls.
 
     q [S, q_heads, head_dim], kv_by_head [2, kv_heads, num_blocks, block_size, head_dim] (a view of the
@@ -173,6 +199,11 @@ def _decode_reference(q: torch.Tensor, kv_by_head: torch.Tensor, block_tables: t
     s, q_heads, head_dim = q.shape
     _, kv_heads, num_blocks, block_size, _ = kv_by_head.shape
     group = q_heads // kv_heads
+    if s == 1:  # no padding: one sequence's K/V, in place where its blocks are consecutive (`run`)
+        kv = _sequence_kv(kv_by_head, block_tables[0], lens[0], run)
+        qs = q.float().view(kv_heads, group, head_dim)
+        probs = torch.softmax(torch.bmm(qs, kv[0].float().transpose(1, 2)).mul_(scale), dim=-1)
+        return torch.bmm(probs, kv[1].float()).view(1, q_heads, head_dim).to(q.dtype)
     longest = max(lens)
     nb = -(-longest // block_size)
     blocks = block_tables[:, :nb].to(device=kv_by_head.device, dtype=torch.int64)
@@ -415,16 +446,19 @@ def paged_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, block_tables:
 
 
 def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start: torch.Tensor, scale: float, *, impl: str = "auto") -> torch.Tensor:
+                    query_start: torch.Tensor, scale: float, *, impl: str = "auto",
+                    runs: list[int] | None = None) -> torch.Tensor:
     """Causal attention of ragged queries q [T, q_heads, head_dim] over a paged KV pool -> [T, q_heads, head_dim].
 
     See the module docstring for shapes and semantics. ``impl``: "triton", "reference", or "auto"
-    (Triton when q is on CUDA or TRITON_INTERPRET=1 is set, else the reference).
+    (Triton when q is on CUDA or TRITON_INTERPRET=1 is set, else the reference). ``runs``: an
+    optional hint for the reference (see :func:`paged_attention_reference`); the kernel reads
+    blocks in place anyway.
     """
     if impl == "auto":
         impl = "triton" if (q.is_cuda or _interpreting()) else "reference"
     if impl == "triton":
         return paged_attention_triton(q, kv_pool, block_tables, seq_lens, query_start, scale)
     if impl == "reference":
-        return paged_attention_reference(q, kv_pool, block_tables, seq_lens, query_start, scale)
+        return paged_attention_reference(q, kv_pool, block_tables, seq_lens, query_start, scale, runs)
     raise ValueError(f"impl must be 'auto', 'triton' or 'reference', got {impl!r}")

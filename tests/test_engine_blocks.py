@@ -215,3 +215,49 @@ def test_export_import_roundtrip_and_layout_fence():
     with pytest.raises(LayoutMismatch):
         other.import_blocks("c", bad)
     assert "c" not in other
+
+
+def is_run(table: list[int]) -> bool:
+    return table == list(range(table[0], table[0] + len(table)))
+
+
+def test_pool_is_stored_head_major_so_consecutive_blocks_are_one_strided_run():
+    pool = make_pool(num_blocks=6)
+    # [L, blocks, 2, heads, bs, D] is a view of [L, 2, heads, blocks, bs, D] storage
+    assert pool.kv.permute(0, 2, 3, 1, 4, 5).is_contiguous()
+    by_head = pool.kv[0].permute(1, 2, 0, 3, 4)  # [2, heads, blocks, bs, D]
+    assert by_head[:, :, 1:4].reshape(2, 2, 3 * BS, 3).data_ptr() == by_head[:, :, 1].data_ptr()  # a view, no copy
+
+
+def test_growing_sequences_keep_their_blocks_consecutive():
+    pool = make_pool(num_blocks=64)
+    for name in "abc":
+        pool.allocate(name, 5)
+    for _ in range(30):  # three sequences growing in turns, one token at a time
+        for name in "abc":
+            pool.append_slots(name, 1)
+    tables = [pool.block_table(n) for n in "abc"]
+    assert all(is_run(t) for t in tables), tables
+    assert len({b for t in tables for b in t}) == sum(len(t) for t in tables)
+    # a speculative rollback and regrowth comes back to the same blocks
+    before = pool.block_table("a")
+    pool.truncate("a", 9)
+    pool.append_slots("a", 26)
+    assert pool.block_table("a") == before
+
+
+def test_allocation_falls_back_to_scattered_blocks_when_no_run_is_long_enough():
+    pool = make_pool(num_blocks=8)
+    for i in range(8):
+        pool.allocate(i, BS)
+    even = [i for i in range(8) if pool.block_table(i)[0] % 2 == 0]
+    for i in even:  # free the sequences on even blocks: no two free blocks are adjacent
+        pool.free(i)
+    pool.allocate("x", 4 * BS)
+    assert sorted(pool.block_table("x")) == [0, 2, 4, 6]
+    assert pool.num_free == 0
+    with pytest.raises(OutOfBlocks):
+        pool.append_slots("x", 1)
+    for i in [i for i in range(8) if i not in even] + ["x"]:
+        pool.free(i)
+    assert_empty(pool)

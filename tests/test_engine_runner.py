@@ -260,7 +260,11 @@ def test_kv_blocks_equal_between_paged_and_hf_runtimes(runner, hf, prompts, alon
     assert ours.layout == theirs.layout and ours.num_tokens == theirs.num_tokens == len(prompt)
     for a, b in zip(ours.layers, theirs.layers):
         assert a.shape == b.shape
-        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+        # the same K/V up to float32 rounding: the two sides run different BLAS kernels (our projections
+        # multiply by transposed weights), whose summation order differs in the last bits — so the error
+        # is bounded relative to the values' scale (|K| reaches ~20 here), 1e-5 of it
+        err = (a - b).abs().max()
+        assert err <= 1e-5 * b.abs().max(), err
     # and the paged runner's KV continues in the HF runtime
     cache = hf.blocks_to_cache(ours)
     nxt = hf.forward([alone[1][0]], cache)[-1]
@@ -340,3 +344,28 @@ def test_bfloat16_pool_matches_the_hf_runtime_in_bfloat16(model_dir, hf, prompts
         mine_out.append(int(a[-1].argmax()))
         from_hf.append(int(b[-1].argmax()))
     assert mine_out == theirs_out == from_hf
+
+
+def test_without_prefix_cache_decode_keeps_blocks_consecutive_and_frees_them_outright(model_dir, runner, prompts, alone):
+    # what decode workers run: an imported prompt plus its continuation, decoded in a batch beside another
+    # sequence, stays one run of blocks (so attention reads it in place), gives the same tokens, and
+    # leaves nothing cached behind
+    kv_src = [(i, runner.prefill(("src", i), prompts[i])) for i in (0, 2)]
+    kvs = {i: runner.export_kv(("src", i)) for i, _ in kv_src}
+    for i, _ in kv_src:
+        runner.free(("src", i))
+    dec = PagedRunner(model_dir, num_blocks=64, prefix_cache=False)
+    out = {}
+    for i, logits in kv_src:
+        dec.import_kv(i, kvs[i], token_ids=prompts[i])
+        out[i] = [int(logits.argmax())]
+    for _ in range(NEW_TOKENS - 1):
+        logits = dec.step([(i, [out[i][-1]]) for i in out])
+        for i, l in zip(out, logits):
+            out[i].append(int(l[-1].argmax()))
+    for i in out:
+        assert out[i] == alone[i]
+        table = dec.pool.block_table(i)
+        assert table == list(range(table[0], table[0] + len(table)))
+        dec.free(i)
+    assert dec.pool.num_cached == 0 and dec.cached_hashes() == [] and dec.pool.num_free == 64

@@ -252,3 +252,49 @@ def test_triton_split_kv_matches_reference(num_splits):
     ref = paged_attention_reference(q, kv_pool, bt, lens, qs, 0.25)
     tri = paged_attention_triton(q, kv_pool, bt, lens, qs, 0.25, num_splits=num_splits)
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_reference_reads_consecutive_blocks_in_place(seed, kind):
+    # A head-major pool (BlockPool's physical layout): sequences whose blocks are consecutive are read as
+    # views of the pool when `runs` says so, the others gathered; stale slots hold NaN. Both must equal
+    # dense attention, and the hint must not change the result.
+    g = torch.Generator().manual_seed(seed)
+    kv_heads, q_heads, head_dim, block_size = 2, 6, 16, 4
+    lens = [int(n) for n in torch.randint(1, 60, (5,), generator=g)]
+    nbs = [-(-n // block_size) for n in lens]
+    num_blocks = 2 * sum(nbs) + 9
+    storage = torch.full((2, kv_heads, num_blocks, block_size, head_dim), float("nan"))
+    kv_pool = storage.permute(2, 0, 1, 3, 4)  # [num_blocks, 2, kv_heads, block_size, head_dim], head-major in memory
+    free = list(range(num_blocks))
+    tables, runs, dense = [], [], []
+    for s, nb in enumerate(nbs):
+        if s % 2 == 0:  # a consecutive run from the front, one block of gap after it
+            table = free[:nb]
+            del free[:nb + 1]
+            runs.append(table[0])
+        else:  # scattered: every other block from the back, backwards
+            table = free[::-1][: 2 * nb : 2]
+            for b in table:
+                free.remove(b)
+            runs.append(-1)
+        assert runs[-1] < 0 or table == list(range(table[0], table[0] + nb))
+        tables.append(table)
+    block_tables = torch.full((len(lens), max(nbs) + 1), -1, dtype=torch.int32)
+    for s, (length, table) in enumerate(zip(lens, tables)):
+        block_tables[s, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        k = torch.randn(length, kv_heads, head_dim, generator=g)
+        v = torch.randn(length, kv_heads, head_dim, generator=g)
+        pos = torch.arange(length)
+        write_kv(kv_pool, torch.tensor(table)[pos // block_size] * block_size + pos % block_size, k, v)
+        dense.append((k.transpose(0, 1), v.transpose(0, 1)))
+    n_q = [1] * len(lens) if kind == "decode" else [1, min(3, lens[1]), lens[2], 1, min(2, lens[4])]
+    query_start = torch.tensor([0] + torch.tensor(n_q).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(query_start[-1]), q_heads, head_dim, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    hinted = paged_attention_reference(q, kv_pool, block_tables, seq_lens, query_start, 0.25, runs)
+    plain = paged_attention_reference(q, kv_pool, block_tables, seq_lens, query_start, 0.25)
+    torch.testing.assert_close(hinted, dense_attention(q, dense, seq_lens, query_start, 0.25), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hinted, plain, rtol=1e-6, atol=1e-6)
+    assert not hinted.isnan().any()

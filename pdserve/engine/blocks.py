@@ -14,18 +14,31 @@ block whose last user freed it keeps its KV and its hash (refcount 0, in LRU ord
 pool needs the space; allocation takes truly free blocks first, then evicts the least recently
 freed cached block.
 
+Physically the pool is head-major, `[num_layers, 2, kv_heads, num_blocks, block_size, head_dim]`,
+and `kv` is a permuted view of it in the logical order above. So the keys (or values) of one head
+in blocks b, b+1, ..., b+n-1 are one strided run of n * block_size rows: attention reads a
+sequence whose blocks are consecutive straight from the pool, without gathering them (a copy of
+its whole KV per layer per step, which cost as much as the attention itself). The allocator
+works for that: a new sequence starts in the largest free run (in its middle when the run
+follows another sequence's growing tail) and a growing sequence takes the block after its last
+one when it is free. Contiguity is a speed-up, never a requirement: any table works.
+
 Every operation that needs blocks checks that it can have them all before it changes anything,
 and raises `OutOfBlocks` otherwise — the scheduler's signal to preempt or queue, never a crash
 and never a half-grown sequence.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout
+
+
+_FREE_RUN = re.compile(rb"\x01+")
 
 
 class OutOfBlocks(RuntimeError):
@@ -60,13 +73,15 @@ class BlockPool:
         self.layout = layout
         self.block_size = layout.block_size
         self.num_blocks = num_blocks
-        self.kv = torch.zeros(
-            (layout.num_layers, num_blocks, 2, layout.kv_heads, layout.block_size, layout.head_dim),
+        storage = torch.zeros(
+            (layout.num_layers, 2, layout.kv_heads, num_blocks, layout.block_size, layout.head_dim),
             dtype=layout.torch_dtype,
             device=device,
         )
+        self.kv = storage.permute(0, 3, 1, 2, 4, 5)  # [L, num_blocks, 2, kv_heads, block_size, head_dim]
         self.refcount = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))  # refcount 0, no cached content
+        self._is_free = bytearray(b"\x01") * num_blocks  # 1: refcount 0 and no cached content
+        self._n_free = num_blocks
         self._lru: OrderedDict[int, None] = OrderedDict()  # refcount 0, cached by hash; oldest first
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
@@ -86,7 +101,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take now: free ones plus unreferenced cached ones (evictable)."""
-        return len(self._free) + len(self._lru)
+        return self._n_free + len(self._lru)
 
     @property
     def num_cached(self) -> int:
@@ -124,7 +139,8 @@ class BlockPool:
         self._check(f"allocate {seq_id!r} ({num_tokens} tokens)", needed, reserved=reviving)
         for b in prefix_blocks:
             self._incref(b)
-        s = _Seq(table=prefix_blocks + [self._take() for _ in range(needed)], num_tokens=num_tokens)
+        s = _Seq(table=prefix_blocks + self._take_run(needed, after=prefix_blocks[-1] if prefix_blocks else None),
+                 num_tokens=num_tokens)
         s.hashes = [self._hash_of[b] for b in prefix_blocks]
         self._seqs[seq_id] = s
 
@@ -160,8 +176,9 @@ class BlockPool:
                 # Only this sequence holds it, but its content is about to change (after a
                 # truncate): it must no longer answer for its old hash.
                 self._unhash(last)
-        while len(s.table) < self.layout.num_blocks(s.num_tokens + n):
-            s.table.append(self._take())
+        grow = self.layout.num_blocks(s.num_tokens + n) - len(s.table)
+        if grow > 0:
+            s.table.extend(self._take_run(grow, after=s.table[-1] if s.table else None))
         start = s.num_tokens
         s.num_tokens += n
         return self.slots(seq_id, start, s.num_tokens)
@@ -297,13 +314,36 @@ class BlockPool:
 
     def _take(self) -> int:
         """A block with refcount 1: a free one, else the least recently used cached one (its hash dropped)."""
-        if self._free:
-            b = self._free.popleft()
-        else:
-            b, _ = self._lru.popitem(last=False)
-            self._unhash(b)
-        self.refcount[b] = 1
-        return b
+        return self._take_run(1)[0]
+
+    def _take_run(self, n: int, after: int | None = None) -> list[int]:
+        """n blocks with refcount 1, consecutive where the free space allows (see the module docstring).
+
+        Continues from block `after` + 1 when that is free; otherwise starts where `_place` says.
+        Truly free blocks first, then the least recently used cached ones (their hashes dropped).
+        """
+        out: list[int] = []
+        nxt = None if after is None else after + 1
+        while len(out) < n:
+            if self._n_free:
+                b = nxt if nxt is not None and nxt < self.num_blocks and self._is_free[nxt] else self._place(n - len(out))
+                self._is_free[b] = 0
+                self._n_free -= 1
+            else:
+                b, _ = self._lru.popitem(last=False)
+                self._unhash(b)
+            self.refcount[b] = 1
+            out.append(b)
+            nxt = b + 1
+        return out
+
+    def _place(self, n: int) -> int:
+        """Where a run of n new blocks should start: in the largest run of free blocks, leaving half of
+        the room past n to the sequence whose last block sits just before the run (it grows into it)."""
+        start, end = max(((m.start(), m.end()) for m in _FREE_RUN.finditer(self._is_free)), key=lambda r: r[1] - r[0])
+        if start > 0 and self.refcount[start - 1] > 0 and any(s.table and s.table[-1] == start - 1 for s in self._seqs.values()):
+            start += max(0, (end - start - n) // 2)
+        return start
 
     def _unhash(self, b: int) -> None:
         h = self._hash_of.pop(b)
@@ -321,4 +361,5 @@ class BlockPool:
             if b in self._hash_of:
                 self._lru[b] = None
             else:
-                self._free.append(b)
+                self._is_free[b] = 1
+                self._n_free += 1

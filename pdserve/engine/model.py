@@ -71,6 +71,23 @@ class PagedBatch:
     block_tables: Tensor  # [S, max_blocks] int32
     seq_lens: Tensor  # [S] int32: cached tokens per sequence, this step's included
     query_start: Tensor  # [S+1] int32: sequence s's new tokens are rows query_start[s]:query_start[s+1]
+    runs: list[int] | None = None  # per sequence: its first block if its blocks are consecutive, else -1 (a hint)
+
+
+class Linear(nn.Module):
+    """``x @ W.T`` (no bias) with W kept transposed, `weight_t` `[in, out]` contiguous.
+
+    On these CPUs BLAS runs the few-row products of decode faster with the weight in this layout
+    than `F.linear` does with `[out, in]` (measured on the whole model: 3-5% per step at batch 1,
+    about 9% at batch 16; the tokens were identical).
+    """
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(d_in, d_out))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.weight_t
 
 
 class RMSNorm(nn.Module):
@@ -102,8 +119,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.q_size, self.kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        self.wqkv = nn.Linear(args.dim, self.q_size + 2 * self.kv_size, bias=False)
-        self.wo = nn.Linear(self.q_size, args.dim, bias=False)
+        self.wqkv = Linear(args.dim, self.q_size + 2 * self.kv_size)
+        self.wo = Linear(self.q_size, args.dim)
         self.scale = args.head_dim**-0.5
         self.impl = attention_impl
 
@@ -116,7 +133,7 @@ class Attention(nn.Module):
         v = v.view(t, self.n_kv_heads, self.head_dim)
         write_kv(kv_pool, batch.slot_mapping, k, v)
         y = paged_attention(
-            q, kv_pool, batch.block_tables, batch.seq_lens, batch.query_start, self.scale, impl=self.impl
+            q, kv_pool, batch.block_tables, batch.seq_lens, batch.query_start, self.scale, impl=self.impl, runs=batch.runs
         )
         return self.wo(y.reshape(t, self.q_size))
 
@@ -125,8 +142,8 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.hidden = args.intermediate_size
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13 = Linear(args.dim, 2 * args.intermediate_size)  # gate and up, fused
+        self.w2 = Linear(args.intermediate_size, args.dim)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.hidden, dim=-1)
@@ -153,7 +170,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, attention_impl) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size)  # a copy of the embedding when tied (stored transposed)
         cos, sin_rot = _rope(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin_rot", sin_rot, persistent=False)
@@ -190,7 +207,7 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(args, attention_impl)
         state = _from_hf_names(hf, args)
-        model.load_state_dict(state, strict=False, assign=True)  # rope buffers are not in the checkpoint
+        model.load_state_dict(state, strict=True, assign=True)  # the rope tables are non-persistent buffers
         cos, sin_rot = _rope(args)  # computed in float32 on the host, like Hugging Face's rotary embedding
         model.register_buffer("rope_cos", cos, persistent=False)
         model.register_buffer("rope_sin_rot", sin_rot, persistent=False)
@@ -208,22 +225,26 @@ def _rope(args: ModelArgs) -> tuple[Tensor, Tensor]:
 
 
 def _from_hf_names(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """Hugging Face Llama parameter names → ours (q/k/v and gate/up fused)."""
+    """Hugging Face Llama parameter names → ours (q/k/v and gate/up fused; projections transposed, see `Linear`)."""
+
+    def t(w: Tensor) -> Tensor:
+        return w.t().contiguous()
+
     out = {
         "tok_embeddings.weight": hf["model.embed_tokens.weight"],
         "norm.weight": hf["model.norm.weight"],
-        "output.weight": hf["model.embed_tokens.weight"] if args.tie_embeddings else hf["lm_head.weight"],
+        "output.weight_t": t(hf["model.embed_tokens.weight"] if args.tie_embeddings else hf["lm_head.weight"]),
     }
     for i in range(args.n_layers):
         p = f"model.layers.{i}."
         out[f"layers.{i}.attention_norm.weight"] = hf[p + "input_layernorm.weight"]
         out[f"layers.{i}.ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
-        out[f"layers.{i}.attention.wqkv.weight"] = torch.cat(
+        out[f"layers.{i}.attention.wqkv.weight_t"] = t(torch.cat(
             [hf[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0
-        )
-        out[f"layers.{i}.attention.wo.weight"] = hf[p + "self_attn.o_proj.weight"]
-        out[f"layers.{i}.feed_forward.w13.weight"] = torch.cat(
+        ))
+        out[f"layers.{i}.attention.wo.weight_t"] = t(hf[p + "self_attn.o_proj.weight"])
+        out[f"layers.{i}.feed_forward.w13.weight_t"] = t(torch.cat(
             [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
-        )
-        out[f"layers.{i}.feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"]
+        ))
+        out[f"layers.{i}.feed_forward.w2.weight_t"] = t(hf[p + "mlp.down_proj.weight"])
     return out

@@ -27,7 +27,9 @@ class PagedRunner:
 
     `num_blocks` sizes the pool: each block holds `block_size` tokens of every layer
     (`layout.block_bytes * num_layers` bytes). `attention_impl` is passed to
-    `paged_attention` ("reference" on the CPU, "auto" elsewhere by default).
+    `paged_attention` ("reference" on the CPU, "auto" elsewhere by default). `prefix_cache=False`
+    publishes no blocks to the prefix cache (decode, which never looks prompts up): freed blocks
+    are then truly free, which keeps the pool's free space in long runs.
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class PagedRunner:
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int = 512,
         attention_impl: str | None = None,
+        prefix_cache: bool = True,
     ):
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -57,6 +60,7 @@ class PagedRunner:
             block_size=block_size,
         )
         self.pool = BlockPool(self.layout, num_blocks, device=self.device)
+        self.prefix_cache = prefix_cache
         # Token ids whose K/V the pool holds, per sequence; None where they are unknown (a KV
         # import without its tokens), which only means its blocks are not offered to the prefix cache.
         self._tokens: dict[object, list[int] | None] = {}
@@ -149,6 +153,7 @@ class PagedRunner:
         lens = [len(new) for _, new in batch]
         seq_lens = [s + n for s, n in zip(starts, lens)]
         tables = [self.pool.block_table(sid) for sid in seq_ids]
+        runs = [t[0] if t[-1] - t[0] == len(t) - 1 and t == list(range(t[0], t[-1] + 1)) else -1 for t in tables]
         max_blocks = max(len(t) for t in tables)
         block_tables = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
         for i, t in enumerate(tables):
@@ -169,6 +174,7 @@ class PagedRunner:
             block_tables=block_tables.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start=query_start.to(dev),
+            runs=runs,
         )
         try:
             logits = self.model(input_ids.to(dev), positions.to(dev), self.pool.kv, meta, logits_index.to(dev))
@@ -183,7 +189,8 @@ class PagedRunner:
             toks = self._tokens[sid]
             if toks is not None:
                 toks.extend(new)
-                self.pool.register_prefix(sid, toks)
+                if self.prefix_cache:
+                    self.pool.register_prefix(sid, toks)
         return list(logits.split(rows))
 
     def fork(self, parent, child) -> None:
@@ -233,7 +240,7 @@ class PagedRunner:
         self._check_context(seq_id, kv.num_tokens)
         self.pool.import_blocks(seq_id, kv)
         self._tokens[seq_id] = list(token_ids) if token_ids is not None else None
-        if token_ids is not None:
+        if token_ids is not None and self.prefix_cache:
             self.pool.register_prefix(seq_id, self._tokens[seq_id])
 
     # -- internals -------------------------------------------------------------------------
