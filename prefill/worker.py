@@ -374,7 +374,9 @@ class PrefillWorker(WorkerBase):
                 self.engine.free(job.seq_id, evict_first_from=job.cached // bs)
                 finished.append((job, None, None))
                 continue
-            kv = self.engine.export_kv(job.seq_id)
+            # the KV leaves as a copy for an ordinary handoff or the offload tier; a streamed one has left already
+            need_kv = job.stream is None or self.prefix_store is not None
+            kv = self.engine.export_kv(job.seq_id) if need_kv else None
             self.engine.free(job.seq_id)
             finished.append((job, out[-1], kv))
         self._announced = [announced(h) for h in self.engine.cached_hashes(self.args.announce_blocks)]

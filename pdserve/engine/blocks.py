@@ -279,11 +279,15 @@ class BlockPool:
         """A copy of a sequence's KV as `KVBlocks` (zeros past its length in the last block)."""
         s = self._seq(seq_id)
         idx = torch.tensor(s.table, dtype=torch.int64, device=self.kv.device)
-        data = self.kv.index_select(1, idx)  # [L, nb, 2, H, bs, D], a copy
         tail = s.num_tokens % self.block_size
-        if tail:
-            data[:, -1, :, :, tail:] = 0
-        return KVBlocks(self.layout, s.num_tokens, [data[i].cpu() for i in range(data.shape[0])])
+        layers = []
+        for i in range(self.layout.num_layers):
+            # layer by layer: index_select over the whole permuted [L, ...] view copied the entire pool (~0.3 s)
+            data = self.kv[i].index_select(0, idx)  # [nb, 2, H, bs, D], a copy
+            if tail:
+                data[-1, :, :, tail:] = 0
+            layers.append(data.cpu())
+        return KVBlocks(self.layout, s.num_tokens, layers)
 
     def import_blocks(self, seq_id, kv: KVBlocks) -> None:
         """Create a sequence holding the KV of `kv` (refused with LayoutMismatch if its layout differs)."""
