@@ -56,6 +56,7 @@ class Sequence:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     admitted: int = field(default_factory=lambda: next(_ADMISSIONS))  # admission order, for preemption
+    last_step: int = -1  # the decode step that last included it (-1: none yet)
 
     @property
     def context(self) -> list[int]:
@@ -65,6 +66,18 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.offer.request_id
+
+
+def next_batch(running: "OrderedDict[str, Sequence]", max_batch: int) -> list[Sequence]:
+    """The sequences of the next step: the first `max_batch` in turn order, which then go to the back.
+
+    Round robin over the running set (admissions join at the back): with R sequences running, none
+    waits more than ceil(R / max_batch) - 1 steps between two of its turns.
+    """
+    batch = list(running.values())[:max_batch]
+    for s in batch:
+        running.move_to_end(s.request_id)
+    return batch
 
 
 class DecodeWorker(WorkerBase):
@@ -108,6 +121,10 @@ class DecodeWorker(WorkerBase):
                                    registry=r)
         self.m_recompute = Counter("pdserve_kv_recompute_total", "handoffs whose KV was lost and recomputed", registry=r)
         self.m_handoffs = Counter("pdserve_decode_handoffs_total", "handoff offers", ["outcome"], registry=r)
+        self.steps = 0
+        self.m_wait_steps = Histogram("pdserve_decode_wait_steps", "steps a running sequence sat out between two "
+                                      "of its turns (round robin: at most ceil(running / max_batch) - 1)",
+                                      registry=r, buckets=(0, 1, 2, 4, 8, 16, 32))
         self.m_itl = Histogram("pdserve_decode_step_seconds", "time per decode step of one sequence (1+ tokens)",
                                registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2))
         self.m_spec_draft = Counter("pdserve_spec_draft_tokens_total", "draft tokens proposed", ["span"], registry=r)
@@ -443,6 +460,7 @@ class DecodeWorker(WorkerBase):
         while self.preempted and self.engine.can_admit(len(self.preempted[0].context)):
             s = self.preempted.popleft()
             await self.compute(self.engine.prefill, s.request_id, s.context[:-1])
+            s.last_step = -1  # it waited for memory, not for its turn: a fresh start in the rotation
             self.running[s.request_id] = s
             log.info("resumed preempted %s (%d tokens recomputed)", s.request_id, len(s.context) - 1)
 
@@ -463,9 +481,12 @@ class DecodeWorker(WorkerBase):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = list(self.running.values())[: self.max_batch]
-            for s in batch:  # rotate: with more running than max_batch, everyone gets turns
-                self.running.move_to_end(s.request_id)
+            batch = next_batch(self.running, self.max_batch)
+            self.steps += 1
+            for s in batch:
+                if s.last_step >= 0:
+                    self.m_wait_steps.observe(self.steps - s.last_step - 1)
+                s.last_step = self.steps
             drafts = [await self._plan(s) for s in batch]
             self._stepping = {s.request_id for s in batch}
             t0 = time.perf_counter()
