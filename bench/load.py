@@ -205,7 +205,9 @@ def multi_turn(url: str, control_url: str, model: str, conversations: int, think
     for name, u in (("preposition", url), ("prefix_cache_only", control_url)):
         ttft, hits = [], 0
         for c in range(conversations):
-            topic = ". ".join(base[(c * 7 + (100 if u == control_url else 0)) % len(base):][:3])
+            # the same topics in both arms, so turn 2 differs only in what was cached (the label at the start of
+            # the user message keeps the arms' prompts apart from the first block on: no KV is shared between them)
+            topic = ". ".join(base[(c * 7) % len(base):][:3])
             turn1 = [{"role": "user", "content": f"Conversation {name} {c}. Read this and retell it at length: {topic}"}]
             a1 = stream(u, model, {"messages": turn1, "max_tokens": 160})
             time.sleep(think_s)  # the user reads and types; the worker is idle
