@@ -556,7 +556,8 @@ def test_objstore_objects_expire_by_ttl(nats_server):
 
 def test_nats_restart_mid_flight_fails_bounded_then_recovers():
     """Own server (others share the session one): restart it while layers are in flight. Both sides end
-    with an error within their bounds, nothing stays registered, and the next transfer works."""
+    within their bounds, with an error on both or (when the client rides through the restart) the exact
+    KV on both; nothing stays registered, and the next transfer works."""
     from pdserve.natsserver import EmbeddedNats
 
     server = EmbeddedNats().start()
@@ -594,6 +595,15 @@ def test_nats_restart_mid_flight_fails_bounded_then_recovers():
         results, waited, ack2, got2 = asyncio.run(go())
     finally:
         server.close()
-    assert all(isinstance(r, TransferError) for r in results), results
+    # nats-py buffers what is published while it reconnects and replays it, so a quick restart can be
+    # ridden through. Either way the two sides agree: both fail with TransferError, or both complete and
+    # the receiver holds exactly the KV that was sent (chunk crcs checked) — never one side's success
+    # over the other's failure, never a hang past the bound.
+    failed = [isinstance(r, TransferError) for r in results]
+    if any(failed):
+        assert all(failed), results
+    else:
+        ack, (got, _) = results
+        assert ack["ok"] and all(torch.equal(a, b) for a, b in zip(kv.layers, got.layers))
     assert waited < 25
     assert ack2["ok"] and all(torch.equal(a, b) for a, b in zip(kv.layers, got2.layers))
