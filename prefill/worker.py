@@ -47,7 +47,6 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import nats.errors
-import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.engine.blocks import OutOfBlocks
@@ -402,13 +401,8 @@ class PrefillWorker(WorkerBase):
     def _layer_done(self, i: int) -> None:
         """A layer's forward hook: send each streamed prompt's KV of that layer."""
         for job in self._streams:
-            pool = self.engine.pool
-            idx = torch.tensor(pool.block_table(job.seq_id), dtype=torch.int64, device=pool.kv.device)
-            blocks = pool.kv[i].index_select(0, idx)
-            tail = len(job.token_ids) % pool.block_size
-            if tail:
-                blocks[-1, :, :, tail:] = 0
-            self.loop.call_soon_threadsafe(job.stream.queue.put_nowait, (i, blocks.cpu()))
+            blocks = self.engine.pool.export_layer(job.seq_id, i)
+            self.loop.call_soon_threadsafe(job.stream.queue.put_nowait, (i, blocks))
 
     async def _open_stream(self, job: Job) -> "LayerStream | None":
         req, layout, n = job.req, self.runner.layout, len(job.token_ids)

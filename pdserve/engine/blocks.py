@@ -275,19 +275,22 @@ class BlockPool:
 
     # -- KV in and out ---------------------------------------------------------------------
 
-    def export_blocks(self, seq_id) -> KVBlocks:
-        """A copy of a sequence's KV as `KVBlocks` (zeros past its length in the last block)."""
+    def export_layer(self, seq_id, layer: int) -> torch.Tensor:
+        """A copy of one layer of a sequence's KV `[nb, 2, kv_heads, block_size, head_dim]` on the CPU
+        (zeros past its length in the last block): what a handoff sends for that layer."""
         s = self._seq(seq_id)
         idx = torch.tensor(s.table, dtype=torch.int64, device=self.kv.device)
+        # one layer at a time: index_select over the whole permuted [L, ...] view copied the entire pool (~0.3 s)
+        data = self.kv[layer].index_select(0, idx)
         tail = s.num_tokens % self.block_size
-        layers = []
-        for i in range(self.layout.num_layers):
-            # layer by layer: index_select over the whole permuted [L, ...] view copied the entire pool (~0.3 s)
-            data = self.kv[i].index_select(0, idx)  # [nb, 2, H, bs, D], a copy
-            if tail:
-                data[-1, :, :, tail:] = 0
-            layers.append(data.cpu())
-        return KVBlocks(self.layout, s.num_tokens, layers)
+        if tail:
+            data[-1, :, :, tail:] = 0
+        return data.cpu()
+
+    def export_blocks(self, seq_id) -> KVBlocks:
+        """A copy of a sequence's KV as `KVBlocks` (zeros past its length in the last block)."""
+        layers = [self.export_layer(seq_id, i) for i in range(self.layout.num_layers)]
+        return KVBlocks(self.layout, self._seq(seq_id).num_tokens, layers)
 
     def import_blocks(self, seq_id, kv: KVBlocks) -> None:
         """Create a sequence holding the KV of `kv` (refused with LayoutMismatch if its layout differs)."""
