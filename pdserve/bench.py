@@ -44,9 +44,9 @@ def _prompts(tok) -> dict[str, list[int]]:
     return {"chat-40": chat, "doc-300": long_ids[:300 - len(tail)] + tail, "doc-1000": long_ids[:1000 - len(tail)] + tail}
 
 
-def _variants(ids: list[int], repeats: int) -> list[list[int]]:
+def _variants(ids: list[int], repeats: int, vocab_size: int) -> list[list[int]]:
     """`repeats` versions of a prompt that differ from each other in their second token (so from its first block on)."""
-    return [ids[:1] + [(ids[1] + 7 * r) % 49152] + ids[2:] for r in range(repeats)]
+    return [ids[:1] + [(ids[1] + 7 * r) % vocab_size] + ids[2:] for r in range(repeats)]
 
 
 def _hf(model, variants: list[list[int]], n: int) -> dict:
@@ -192,7 +192,7 @@ def main(argv: list[str]) -> int:
     print(f"pdserve bench: {model_dir.name}, {a.tokens} tokens/request, median of {a.repeats}, torch threads 1, "
           f"decode engine {a.engine}",
           flush=True)
-    variants = {k: _variants(ids, a.repeats) for k, ids in prompts.items()}
+    variants = {k: _variants(ids, a.repeats, len(tok)) for k, ids in prompts.items()}
     with LocalCluster(str(model_dir), worker_args={"decode": ["--spec-method", "none", "--engine", a.engine],
                                                    "front": ["--no-preposition"]}) as cluster:
         ours = {k: _pdserve(cluster.url, model_dir.name, v, a.tokens) for k, v in variants.items()}
