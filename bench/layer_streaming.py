@@ -16,26 +16,25 @@ import os
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.sse import sse_events  # noqa: E402
 
 LONG = (Path(__file__).resolve().parent.parent / "tests" / "data" / "long_prompt.txt").read_text()
 
 
 def first_two_tokens(url: str, model: str, ids: list[int]) -> tuple[float, float]:
     body = {"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     stamps = []
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            if raw.startswith(b"data: {") and b'"finish_reason": null' in raw:
+    for ev in sse_events(url, "/v1/completions", body, timeout=600):
+        for ch in ev.get("choices", []):
+            # a token event; the second token arrives with its finish reason
+            if ch.get("finish_reason") is None or len(stamps) == 1:
                 stamps.append(time.perf_counter() - t0)
-            elif raw.startswith(b"data: {") and len(stamps) == 1:
-                stamps.append(time.perf_counter() - t0)  # the second token arrives with its finish reason
     return stamps[0], stamps[1]
 
 
