@@ -4,8 +4,8 @@ A fresh tmpfs segment per transfer costs a page fault (and a zeroed page) per 4 
 copy, and freeing it again when the KV dies: measured here, that made shared memory a third of
 memcpy. So the receiver (decode) keeps a pool of segments that stay mapped and populated: for a
 transfer it leases one at least as big as the KV and names it to the sender (a GRANT frame); the
-sender maps that range (MAP_POPULATE: the pages exist already, only the page tables are filled) and
-copies each layer in; the receiver hands out tensors that are views into the segment (no copy). The
+sender maps that range (MAP_POPULATE: the pages exist already, only the page tables are filled; the
+mapping is kept for the segment's next grant, see `SenderMaps`) and copies each layer in; the receiver hands out tensors that are views into the segment (no copy). The
 segment goes back to the pool when the last of those tensors is freed, never before: a view that
 outlives the transfer keeps its bytes.
 
@@ -17,12 +17,14 @@ into it): it is unlinked at once. Idle segments beyond `max_idle_bytes` are unli
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import mmap
 import os
 import secrets
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -189,19 +191,131 @@ def check_name(name: str) -> str:
     return name
 
 
-def map_for_write(directory: str, name: str, nbytes: int, warm: bool) -> mmap.mmap:
-    """Map the first `nbytes` of a granted segment. Warm segments are pre-faulted (MAP_POPULATE: their
-    pages exist, so this only fills page tables, far cheaper than a fault per page); cold ones are not
-    (populating fresh tmpfs pages costs more than the copy's own faults)."""
-    fd = os.open(os.path.join(directory, check_name(name)), os.O_RDWR)
-    try:
-        size = os.fstat(fd).st_size
-        if size < nbytes:
-            raise ValueError(f"segment {name} is {size} B, the transfer needs {nbytes} B")
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if warm else 0)
-        return mmap.mmap(fd, max(nbytes, 1), flags=flags)
-    finally:
-        os.close(fd)
+class _Mapping:
+    """The first `nbytes` of a granted segment as the sender maps them, and their base address for `memmove`.
+
+    Warm segments are pre-faulted (MAP_POPULATE: their pages exist, so this only fills page tables, far
+    cheaper than a fault per page); cold ones are not (populating fresh tmpfs pages costs more than the
+    copy's own faults). Only the transfer's bytes are mapped: populating the whole size class would
+    allocate pages no transfer asked for."""
+
+    def __init__(self, directory: str, name: str, nbytes: int, warm: bool):
+        path = os.path.join(directory, check_name(name))
+        fd = os.open(path, os.O_RDWR)
+        try:
+            st = os.fstat(fd)
+            if st.st_size < nbytes:
+                raise ValueError(f"segment {name} is {st.st_size} B, the transfer needs {nbytes} B")
+            self.ident = (st.st_dev, st.st_ino, st.st_size)
+            self.size = max(nbytes, 1)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if warm else 0)
+            self.mm = mmap.mmap(fd, self.size, flags=flags)
+        finally:
+            os.close(fd)
+        self.path = path
+        self._array = np.frombuffer(self.mm, dtype=np.uint8)  # pins the mapping while we hold it
+        self.base = self._array.ctypes.data
+        self.busy = False
+        self.used = 0.0
+
+    def write(self, offset: int, src: torch.Tensor) -> None:
+        """Copy a contiguous CPU tensor's bytes to `offset` (glibc memmove: faster than a tensor copy_ here)."""
+        n = src.numel() * src.element_size()
+        if offset < 0 or offset + n > self.size:
+            raise ValueError(f"{n} bytes at {offset} lie outside the {self.size}-byte segment")
+        if n:
+            ctypes.memmove(self.base + offset, src.data_ptr(), n)
+
+    def same_file(self) -> bool:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino, st.st_size) == self.ident
+
+    def close(self) -> None:
+        self.size = 0  # any later write is refused by the bounds check, never sent to a dead address
+        self._array = None
+        self.mm.close()
+
+
+class SenderMaps:
+    """The sending side's mappings of segments decode granted, kept for the next grant of the same segment.
+
+    Decode's pool hands the same few segments out again and again. Mapping one costs a page-table fill
+    (MAP_POPULATE) and unmapping it a TLB shootdown: ~2.5 ms for 16 MiB here, as long as copying the KV
+    in. A kept mapping costs nothing per transfer. A mapping pins the segment's pages even after its
+    owner unlinks it, so: a mapping is checked against the file (same inode) before each use; at every
+    `acquire` the mappings of files that are gone are dropped; at most `max_bytes` (default
+    $PDSERVE_SHM_SENDER_MAP_BYTES or 2 GiB) stay mapped, least recently used dropped first; a transfer
+    that fails drops its mapping (`release(ok=False)`).
+    """
+
+    def __init__(self, max_bytes: int | None = None):
+        self.max_bytes = int(os.environ.get("PDSERVE_SHM_SENDER_MAP_BYTES", 2 << 30)) if max_bytes is None \
+            else max_bytes
+        self._lock = threading.Lock()
+        self._maps: dict[tuple[str, str], _Mapping] = {}
+        self.mapped = 0  # new mappings made (a kept one reused is not counted)
+
+    def acquire(self, directory: str, name: str, nbytes: int, warm: bool) -> _Mapping:
+        """The mapping of granted segment `name` (kept or new), for one transfer's exclusive use."""
+        key = (directory, check_name(name))
+        stale: list[_Mapping] = []
+        with self._lock:
+            for k, m in list(self._maps.items()):  # files gone (or replaced): let their pages go
+                if not m.busy and not m.same_file():
+                    stale.append(self._maps.pop(k))
+            m = self._maps.get(key)
+            if m is not None and m.busy:
+                raise ValueError(f"segment {name} granted to two transfers at once")
+            if m is not None and m.size < nbytes:  # a bigger transfer than before: map it again, bigger
+                stale.append(self._maps.pop(key))
+                m = None
+            if m is not None:
+                m.busy = True
+        for old in stale:
+            old.close()
+        if m is None:
+            m = _Mapping(directory, name, nbytes, warm)
+            m.busy = True
+            with self._lock:
+                self.mapped += 1
+                self._maps[key] = m
+        return m
+
+    def release(self, m: _Mapping, ok: bool) -> None:
+        """The transfer is over: keep the mapping (ok) or drop it; then trim to `max_bytes`."""
+        drop: list[_Mapping] = []
+        with self._lock:
+            m.busy = False
+            m.used = time.monotonic()
+            key = next((k for k, v in self._maps.items() if v is m), None)
+            if not ok and key is not None:
+                drop.append(self._maps.pop(key))
+            idle = sorted((v.used, k) for k, v in self._maps.items() if not v.busy)
+            total = sum(v.size for v in self._maps.values())
+            while idle and total > self.max_bytes:
+                _, k = idle.pop(0)
+                total -= self._maps[k].size
+                drop.append(self._maps.pop(k))
+        for d in drop:
+            d.close()
+
+    @property
+    def mapped_bytes(self) -> int:
+        with self._lock:
+            return sum(v.size for v in self._maps.values())
+
+    def clear(self) -> None:
+        """Unmap everything not in use."""
+        with self._lock:
+            drop = [self._maps.pop(k) for k, v in list(self._maps.items()) if not v.busy]
+        for d in drop:
+            d.close()
+
+
+SENDER_MAPS = SenderMaps()
 
 
 def _unlink(path: str) -> bool:

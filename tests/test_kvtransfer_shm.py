@@ -13,7 +13,7 @@ import torch
 
 from kvhelpers import random_kv
 from pdserve.kvtransfer.layout import KVLayout
-from pdserve.kvtransfer.shm import POOL_PREFIX, ShmPool, owned_elsewhere, sweep_orphans
+from pdserve.kvtransfer.shm import POOL_PREFIX, SENDER_MAPS, SenderMaps, ShmPool, owned_elsewhere, sweep_orphans
 from pdserve.kvtransfer.tcp import SHM_DIR, KVReceiver, TransferError, TransferHeader, send_kv, sweep_stale_segments
 
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=4, kv_heads=2, head_dim=16, dtype="bfloat16", block_size=8)
@@ -85,6 +85,62 @@ def test_failed_transfer_segment_is_dropped_not_reused():
 
     asyncio.run(go())
     assert pool_files() == before
+
+
+def test_sender_keeps_its_mapping_for_the_next_grant_and_drops_it_when_the_segment_goes():
+    """The sender maps a granted segment once and writes the next transfers that decode grants it into the
+    same mapping; once decode unlinks the segment (here: receiver closed), the next transfer anywhere lets
+    the old mapping (and with it the segment's pages) go."""
+    kvs = [random_kv(LAYOUT, 37, seed=s) for s in (6, 7, 8)]
+
+    async def go():
+        rx = await KVReceiver(LAYOUT).start()
+        mapped = SENDER_MAPS.mapped
+        for kv in kvs:
+            got = await transfer(rx, kv)
+            assert all(torch.equal(x, y) for x, y in zip(kv.layers, got.layers))
+            del got
+            gc.collect()
+        assert rx.shm_pool.created == 1 and SENDER_MAPS.mapped == mapped + 1, "one segment, mapped once"
+        seg_bytes = SENDER_MAPS.mapped_bytes
+        assert seg_bytes >= kvs[0].nbytes
+        await rx.close()  # unlinks the segment: the sender's mapping would pin its pages
+        rx2 = await KVReceiver(LAYOUT).start()
+        got = await transfer(rx2, kvs[0])
+        assert all(torch.equal(x, y) for x, y in zip(kvs[0].layers, got.layers))
+        assert SENDER_MAPS.mapped == mapped + 2
+        assert SENDER_MAPS.mapped_bytes <= seg_bytes, "the gone segment's mapping must have been dropped"
+        del got
+        await rx2.close()
+
+    asyncio.run(go())
+
+
+def test_sender_mappings_are_bounded_least_recently_used_first():
+    pool = ShmPool(SHM_DIR)
+    leases = [pool.lease(1 << 20) for _ in range(3)]
+    maps = SenderMaps(max_bytes=2 << 20)
+    held = []
+    for lease in leases:
+        m = maps.acquire(SHM_DIR, lease.name, 1 << 20, warm=False)
+        m.write(0, torch.full((1 << 18,), 7, dtype=torch.int32))
+        held.append(m)
+    with pytest.raises(ValueError, match="granted to two transfers at once"):
+        maps.acquire(SHM_DIR, leases[0].name, 1 << 20, warm=False)
+    for m in held:
+        maps.release(m, ok=True)
+    assert maps.mapped_bytes == 2 << 20, "the least recently used mapping goes beyond the bound"
+    again = maps.acquire(SHM_DIR, leases[2].name, 1 << 20, warm=True)
+    assert again is held[2] and maps.mapped == 3
+    maps.release(again, ok=False)  # a failed transfer: its mapping is not kept
+    assert maps.mapped_bytes == 1 << 20
+    assert torch.equal(leases[2].view(0, 1 << 20).view(torch.int32), torch.full((1 << 18,), 7, dtype=torch.int32))
+    with pytest.raises(ValueError, match="outside"):
+        held[1].write((1 << 20) - 4, torch.zeros(2, dtype=torch.int32))
+    maps.clear()
+    for lease in leases:
+        lease.succeeded()
+    pool.close()
 
 
 def test_idle_segments_beyond_the_bound_are_released():

@@ -13,8 +13,8 @@ import torch
 from kvhelpers import random_kv
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
 from pdserve.kvtransfer.tcp import (
-    CHUNK, END, HELLO, ZCHUNK, KVReceiver, TransferError, TransferHeader, _frame, _read_frame, layer_wire_pieces,
-    send_kv,
+    CHUNK, END, HELLO, PIECE_BYTES, TCHUNK, ZCHUNK, KVReceiver, TransferError, TransferHeader, _frame, _read_frame,
+    layer_wire_pieces, send_kv,
 )
 
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=3, kv_heads=2, head_dim=8, dtype="float32", block_size=4)
@@ -87,21 +87,23 @@ def _send_raw(addr: str, frames: list[bytes], read_ack: bool = True, timeout: fl
     return go()
 
 
-def _frames_for(kv: KVBlocks, hdr: TransferHeader) -> list[bytes]:
+def _frames_for(kv: KVBlocks, hdr: TransferHeader, kind: int = CHUNK) -> list[bytes]:
+    """HELLO, one frame per layer (CHUNK: crc in the header; TCHUNK: crc in a trailer), END."""
     out = [b"".join(_frame(HELLO, hdr.model_dump_json().encode()))]
     for i, layer in enumerate(kv.layers):
-        out.append(b"".join(bytes(x) for x in _frame(CHUNK, layer.contiguous().view(torch.uint8).numpy().tobytes(), i)))
+        out.append(b"".join(bytes(x) for x in _frame(kind, layer.contiguous().view(torch.uint8).numpy().tobytes(), i)))
     out.append(b"".join(_frame(END, b"{}")))
     return out
 
 
-def _expect_failure(mutate, match: str, stall_timeout: float = 5.0, wait_timeout: float = 5.0):
-    kv = make_kv()
+def _expect_failure(mutate, match: str, stall_timeout: float = 5.0, wait_timeout: float = 5.0,
+                    kind: int = CHUNK, kv: KVBlocks | None = None):
+    kv = kv or make_kv()
 
     async def go():
         rx = await KVReceiver(LAYOUT, stall_timeout=stall_timeout).start()
         token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens)
-        frames = _frames_for(kv, header(token, kv))
+        frames = _frames_for(kv, header(token, kv), kind)
         frames, hdr_over = mutate(frames, token)
         sender = asyncio.create_task(_send_raw(rx.address, frames))
         with pytest.raises(TransferError, match=match):
@@ -114,18 +116,49 @@ def _expect_failure(mutate, match: str, stall_timeout: float = 5.0, wait_timeout
     return run(go())
 
 
-def test_corrupt_chunk_is_refused():
+@pytest.mark.parametrize("kind,where", [(CHUNK, -1), (TCHUNK, 40), (TCHUNK, -1)],
+                         ids=["chunk", "trailed-chunk-payload", "trailed-chunk-trailer"])
+def test_corrupt_chunk_is_refused(kind, where):
     def corrupt(frames, token):
         bad = bytearray(frames[2])
-        bad[-1] ^= 0xFF  # flip bits in layer 1's payload, keep its crc
+        bad[where] ^= 0xFF  # flip bits in layer 1's payload (or in a TCHUNK's crc trailer)
         frames[2] = bytes(bad)
         return frames, None
 
-    ack = _expect_failure(corrupt, "corrupt chunk \\(layer 1\\)")
+    ack = _expect_failure(corrupt, "corrupt chunk \\(layer 1\\)", kind=kind)
     assert ack == {"ok": False, "error": "corrupt chunk (layer 1): crc32 mismatch"}
 
 
-def test_truncated_stream_is_refused():
+def test_trailed_chunk_corrupt_in_a_later_piece_is_refused():
+    """A layer several checksum pieces long (the receiver checks it piece by piece as it lands): one
+    flipped byte in the third piece fails the layer, the pieces before it notwithstanding."""
+    big = LAYOUT.model_copy(update={"kv_heads": 8, "head_dim": 64})  # 64 KiB per 16 tokens of fp32
+    kv = random_kv(big, 40 * 16, seed=3)
+    assert kv.layers[1].numel() * 4 > 2 * PIECE_BYTES
+
+    async def go():
+        rx = await KVReceiver(big).start()
+        token = rx.expect("r1", "prefill-a", 7, big, kv.num_tokens)
+        frames = _frames_for(kv, header(token, kv), TCHUNK)
+        bad = bytearray(frames[2])
+        bad[32 + 2 * PIECE_BYTES + 5] ^= 0x01
+        frames[2] = bytes(bad)
+        sender = asyncio.create_task(_send_raw(rx.address, frames))
+        with pytest.raises(TransferError, match="corrupt chunk \\(layer 1\\)"):
+            await rx.wait(token, 5)
+        assert (await sender)["ok"] is False
+        # the real sender's frames of the same KV (TCHUNKs, piece by piece) arrive bit-exact
+        token = rx.expect("r2", "prefill-a", 7, big, kv.num_tokens)
+        ack, (got, _) = await asyncio.gather(send_kv(rx.address, header(token, kv, request_id="r2"), kv),
+                                             rx.wait(token, 5))
+        await rx.close()
+        assert ack["ok"] and all(torch.equal(a, b) for a, b in zip(kv.layers, got.layers))
+
+    run(go())
+
+
+@pytest.mark.parametrize("kind", [CHUNK, TCHUNK], ids=["chunk", "trailed-chunk"])
+def test_truncated_stream_is_refused(kind):
     def truncate(frames, token):
         frames[2] = frames[2][: len(frames[2]) // 2]
         return frames[:3], None  # then the sender closes the connection
@@ -138,7 +171,7 @@ def test_truncated_stream_is_refused():
     async def go():
         rx = await KVReceiver(LAYOUT).start()
         token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens)
-        frames, _ = truncate(_frames_for(kv, header(token, kv)), token)
+        frames, _ = truncate(_frames_for(kv, header(token, kv), kind), token)
         await _send_raw(rx.address, frames, read_ack=False)
         with pytest.raises(TransferError, match="stream truncated"):
             await rx.wait(token, 5)
