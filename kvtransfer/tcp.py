@@ -485,7 +485,7 @@ class _BlockingSender:
                 self._unchecked += n
             if small:
                 _send_all(self.sock, small)
-        except socket.timeout:
+        except _STALLED:
             raise TransferError(f"decode data port {self.addr} stalled "
                                 f"(no progress for {self.timeout:.1f} s)") from None
         except OSError:
@@ -527,7 +527,7 @@ class _BlockingSender:
             hdr = _recv_exact(self.sock, bytearray(_HDR.size))
             kind, layer, crc, _, length = _parse_header(hdr, MAX_CONTROL_FRAME)
             payload = _recv_exact(self.sock, bytearray(length))
-        except socket.timeout:
+        except _STALLED:
             raise TransferError(f"decode data port {self.addr} did not answer within {self.timeout:.1f} s") \
                 from None
         except (TransferError, OSError) as e:
@@ -556,6 +556,21 @@ def _send_all(sock: socket.socket, bufs: list) -> None:
             else:
                 views[0] = views[0][sent:]
                 sent = 0
+
+
+def _io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Bound every send and receive on a blocking socket by `seconds` without progress (SO_SNDTIMEO /
+    SO_RCVTIMEO), so a stalled peer is an error. Not `settimeout`: that makes the socket non-blocking
+    under the hood, MSG_WAITALL then returns whatever has arrived, and each read becomes poll + recv
+    for every ~64 KiB. Here a read of a 256 KiB piece sleeps in the kernel until the piece is there."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+# a blocking socket with SO_RCVTIMEO/SO_SNDTIMEO reports a timeout as EAGAIN (BlockingIOError)
+_STALLED = (socket.timeout, BlockingIOError)
 
 
 def _recv_exact(sock: socket.socket, buf) -> memoryview:
@@ -650,7 +665,7 @@ def _send_blocking(addr: str, header: TransferHeader, feed: queue.SimpleQueue, h
     except OSError as e:
         raise TransferError(f"cannot reach decode data port {addr}: {e or 'timeout'}") from None
     held.append(sock)
-    sock.settimeout(timeout)
+    _io_timeout(sock, timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     tx = _BlockingSender(sock, addr, timeout)
     grant: dict | None = None
@@ -990,8 +1005,7 @@ class KVReceiver:
         loop = asyncio.get_running_loop()
         self.active += 1
         self._conns.add(sock)
-        sock.setblocking(True)
-        sock.settimeout(self.stall_timeout)
+        _io_timeout(sock, self.stall_timeout)
         try:
             await loop.run_in_executor(_POOL, self._serve, sock, loop)
         finally:
@@ -1032,7 +1046,7 @@ class KVReceiver:
     def _read_header(self, sock: socket.socket, max_len: int) -> tuple[int, int, int, int, int]:
         try:
             return _parse_header(_recv_exact(sock, bytearray(_HDR.size)), max_len)
-        except socket.timeout:
+        except _STALLED:
             raise TransferError(f"peer stalled: nothing for {self.stall_timeout:.1f} s") from None
         except OSError as e:
             raise TransferError(f"connection lost: {e}") from None
@@ -1040,7 +1054,7 @@ class KVReceiver:
     def _read_into(self, sock: socket.socket, mv) -> memoryview:
         try:
             return _recv_exact(sock, mv)
-        except socket.timeout:
+        except _STALLED:
             raise TransferError(f"peer stalled: nothing for {self.stall_timeout:.1f} s") from None
         except OSError as e:
             raise TransferError(f"connection lost: {e}") from None
