@@ -165,7 +165,7 @@ class PrefillWorker(WorkerBase):
 
             blocks = max(16, args.kv_capacity_bytes // (layout.block_bytes * layout.num_layers))
             engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
-                                 block_size=layout.block_size, num_blocks=blocks)
+                                 block_size=layout.block_size, num_blocks=blocks, small_step_weights=False)
             layout.check_matches(engine.layout, what="paged engine")
             return engine
         from pdserve.runtime import DenseEngine

@@ -369,3 +369,24 @@ def test_without_prefix_cache_decode_keeps_blocks_consecutive_and_frees_them_out
         assert table == list(range(table[0], table[0] + len(table)))
         dec.free(i)
     assert dec.pool.num_cached == 0 and dec.cached_hashes() == [] and dec.pool.num_free == 64
+
+
+def test_two_and_three_row_steps_use_the_row_major_weights(runner, model_dir):
+    """Two- and three-row products go through the `[out, in]` copy (MKL's fast path for them), all others
+    through the transposed weight; the copy holds the same values, and the tied output projection uses the
+    embedding table itself. A prefill engine keeps no copy."""
+    model = runner.model
+    lin = model.layers[0].feed_forward.w13
+    assert lin.weight_rows is not None and torch.equal(lin.weight_rows, lin.weight_t.t())
+    assert model.output.weight_rows.data_ptr() == model.tok_embeddings.weight.data_ptr(), "tied: no second copy"
+    x = torch.randn(4, lin.weight_t.shape[0])
+    original = lin.weight_rows
+    try:
+        lin.weight_rows = original * 2  # tells the two paths apart
+        for rows in (1, 2, 3, 4):
+            want = (x[:rows] @ lin.weight_t) * (2 if rows in (2, 3) else 1)
+            torch.testing.assert_close(lin(x[:rows]), want, rtol=1e-5, atol=1e-4)
+    finally:
+        lin.weight_rows = original
+    prefill = PagedRunner(model_dir, num_blocks=8, small_step_weights=False)
+    assert all(m.weight_rows is None for m in prefill.model.modules() if hasattr(m, "weight_rows"))

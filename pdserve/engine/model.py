@@ -79,14 +79,23 @@ class Linear(nn.Module):
 
     On these CPUs BLAS runs the few-row products of decode faster with the weight in this layout
     than `F.linear` does with `[out, in]` (measured on the whole model: 3-5% per step at batch 1,
-    about 9% at batch 16; the tokens were identical).
+    about 9% at batch 16; the tokens were identical). Except for exactly `ROW_MAJOR_ROWS` rows: there
+    MKL's product with `[in, out]` takes a slow path (all projections of one SmolLM2 step, weights
+    cold: 1 row 44-46 ms, 2 rows 67-70 ms with `[in, out]` but 51-54 ms with `[out, in]`), and two
+    rows is what a speculative step verifying one draft token, the commonest choice at batch 1, feeds.
+    `weight_rows`, when set (`Transformer.add_row_major_weights`), is the `[out, in]` copy for them.
     """
+
+    ROW_MAJOR_ROWS = (2, 3)
 
     def __init__(self, d_in: int, d_out: int):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(d_in, d_out))
+        self.weight_rows: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.weight_rows is not None and x.shape[0] in self.ROW_MAJOR_ROWS and x.dim() == 2:
+            return F.linear(x, self.weight_rows)
         return x @ self.weight_t
 
 
@@ -194,8 +203,11 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        attention_impl: str = "reference") -> "Transformer":
-        """Build from a Hugging Face Llama checkpoint folder (config.json + *.safetensors)."""
+                        attention_impl: str = "reference", small_step_weights: bool = True) -> "Transformer":
+        """Build from a Hugging Face Llama checkpoint folder (config.json + *.safetensors).
+
+        `small_step_weights`: on the CPU, also keep the `[out, in]` weights that make two- and three-row
+        steps faster (see `Linear`); a worker that never runs such steps (prefill) leaves them out."""
         model_dir = Path(model_dir)
         args = ModelArgs.from_hf_config(json.loads((model_dir / "config.json").read_text()))
         files = sorted(model_dir.glob("*.safetensors"))
@@ -211,7 +223,21 @@ class Transformer(nn.Module):
         cos, sin_rot = _rope(args)  # computed in float32 on the host, like Hugging Face's rotary embedding
         model.register_buffer("rope_cos", cos, persistent=False)
         model.register_buffer("rope_sin_rot", sin_rot, persistent=False)
-        return model.to(device=device, dtype=dtype).eval()
+        model = model.to(device=device, dtype=dtype).eval()
+        if small_step_weights and model.tok_embeddings.weight.device.type == "cpu":
+            model.add_row_major_weights()
+        return model
+
+    def add_row_major_weights(self) -> None:
+        """Give every projection its `[out, in]` copy for two-row steps (see `Linear`). The tied output
+        projection uses the embedding table itself; the others cost one more copy of their weights."""
+        tied = self.args.tie_embeddings
+        for name, mod in self.named_modules():
+            if isinstance(mod, Linear):
+                if mod is self.output and tied:
+                    mod.weight_rows = self.tok_embeddings.weight.detach()
+                else:
+                    mod.weight_rows = mod.weight_t.detach().t().contiguous()
 
 
 def _rope(args: ModelArgs) -> tuple[Tensor, Tensor]:

@@ -29,7 +29,8 @@ class PagedRunner:
     (`layout.block_bytes * num_layers` bytes). `attention_impl` is passed to
     `paged_attention` ("reference" on the CPU, "auto" elsewhere by default). `prefix_cache=False`
     publishes no blocks to the prefix cache (decode, which never looks prompts up): freed blocks
-    are then truly free, which keeps the pool's free space in long runs.
+    are then truly free, which keeps the pool's free space in long runs. `small_step_weights=False` leaves
+    out the second weight layout for two- and three-row steps (see `model.Linear`): prefill never runs them.
     """
 
     def __init__(
@@ -42,11 +43,13 @@ class PagedRunner:
         num_blocks: int = 512,
         attention_impl: str | None = None,
         prefix_cache: bool = True,
+        small_step_weights: bool = True,
     ):
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         impl = attention_impl or ("reference" if self.device.type == "cpu" else "auto")
-        self.model = Transformer.from_pretrained(self.model_dir, dtype=dtype, device=self.device, attention_impl=impl)
+        self.model = Transformer.from_pretrained(self.model_dir, dtype=dtype, device=self.device, attention_impl=impl,
+                                                 small_step_weights=small_step_weights)
         args = self.model.args
         self.args = args
         self.max_context = args.max_position
