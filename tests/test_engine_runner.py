@@ -371,22 +371,28 @@ def test_without_prefix_cache_decode_keeps_blocks_consecutive_and_frees_them_out
     assert dec.pool.num_cached == 0 and dec.cached_hashes() == [] and dec.pool.num_free == 64
 
 
-def test_two_and_three_row_steps_use_the_row_major_weights(runner, model_dir):
-    """Two- and three-row products go through the `[out, in]` copy (MKL's fast path for them), all others
-    through the transposed weight; the copy holds the same values, and the tied output projection uses the
-    embedding table itself. A prefill engine keeps no copy."""
+def test_small_steps_use_the_cpu_weight_layouts(runner, model_dir):
+    """One row and more than 12 multiply the transposed weight; two and three rows the `[out, in]` copy;
+    four to twelve oneDNN's packed copy (see `model.Linear`). Each copy holds the same values, and the
+    tied output projection's `[out, in]` copy is the embedding table itself. A prefill engine keeps none."""
+    from pdserve.engine.model import PACK_ROWS_HINT
+
     model = runner.model
     lin = model.layers[0].feed_forward.w13
     assert lin.weight_rows is not None and torch.equal(lin.weight_rows, lin.weight_t.t())
     assert model.output.weight_rows.data_ptr() == model.tok_embeddings.weight.data_ptr(), "tied: no second copy"
-    x = torch.randn(4, lin.weight_t.shape[0])
-    original = lin.weight_rows
-    try:
-        lin.weight_rows = original * 2  # tells the two paths apart
-        for rows in (1, 2, 3, 4):
-            want = (x[:rows] @ lin.weight_t) * (2 if rows in (2, 3) else 1)
-            torch.testing.assert_close(lin(x[:rows]), want, rtol=1e-5, atol=1e-4)
+    x = torch.randn(16, lin.weight_t.shape[0])
+    for rows in (1, 2, 3, 4, 9, 12, 13, 16):  # the copies agree with the parameter
+        torch.testing.assert_close(lin(x[:rows]), x[:rows] @ lin.weight_t, rtol=1e-4, atol=1e-4)
+    original = lin.weight_rows, lin.weight_packed
+    try:  # tell the paths apart: rows copy doubled, packed copy tripled
+        lin.weight_rows = original[0] * 2
+        lin.weight_packed = torch.ops.mkldnn._reorder_linear_weight(original[0] * 3, PACK_ROWS_HINT)
+        for rows, factor in ((1, 1), (2, 2), (3, 2), (4, 3), (12, 3), (13, 1)):
+            want = (x[:rows] @ lin.weight_t) * factor
+            torch.testing.assert_close(lin(x[:rows]), want, rtol=1e-4, atol=1e-3)
     finally:
-        lin.weight_rows = original
+        lin.weight_rows, lin.weight_packed = original
     prefill = PagedRunner(model_dir, num_blocks=8, small_step_weights=False)
-    assert all(m.weight_rows is None for m in prefill.model.modules() if hasattr(m, "weight_rows"))
+    assert all(m.weight_rows is None and m.weight_packed is None
+               for m in prefill.model.modules() if hasattr(m, "weight_rows"))

@@ -74,28 +74,46 @@ class PagedBatch:
     runs: list[int] | None = None  # per sequence: its first block if its blocks are consecutive, else -1 (a hint)
 
 
-class Linear(nn.Module):
-    """``x @ W.T`` (no bias) with W kept transposed, `weight_t` `[in, out]` contiguous.
+PACK_ROWS_HINT = 16  # the row count oneDNN lays the packed weights out for (flat from 4 to 16 rows here)
 
-    On these CPUs BLAS runs the few-row products of decode faster with the weight in this layout
-    than `F.linear` does with `[out, in]` (measured on the whole model: 3-5% per step at batch 1,
-    about 9% at batch 16; the tokens were identical). Except for exactly `ROW_MAJOR_ROWS` rows: there
-    MKL's product with `[in, out]` takes a slow path (all projections of one SmolLM2 step, weights
-    cold: 1 row 44-46 ms, 2 rows 67-70 ms with `[in, out]` but 51-54 ms with `[out, in]`), and two
-    rows is what a speculative step verifying one draft token, the commonest choice at batch 1, feeds.
-    `weight_rows`, when set (`Transformer.add_row_major_weights`), is the `[out, in]` copy for them.
+
+class Linear(nn.Module):
+    """``x @ W.T`` (no bias), with the weight in the layout the CPU's BLAS runs fastest for the row count.
+
+    `weight_t` `[in, out]` contiguous is the parameter: one row (batch-1 decode) and more than
+    `PACKED_MAX_ROWS` rows (prefill, big batches) multiply it (`x @ W_t` beat `F.linear` on `[out, in]`
+    by 3-5% per step at batch 1 and ~9% at batch 16). Between them MKL is slow with it, and a
+    speculative step at batch 1 feeds k + 1 = 2-9 rows. All projections of one SmolLM2 step, weights
+    cold (not in cache), thread CPU ms:
+
+        rows              1     2     3     4     6     9
+        x @ W_t          36    59    57    66    62    83
+        F.linear [out,in] 38    44    45    79    85   124
+        oneDNN packed    46    56    52    51    52    56
+
+    So on the CPU (`Transformer.add_cpu_layouts`) a module may also hold `weight_rows` (`[out, in]`,
+    for `ROW_MAJOR_ROWS`) and `weight_packed` (oneDNN's layout, for up to `PACKED_MAX_ROWS` rows). A
+    whole engine step at 300 tokens of context went from 1.44x / 1.5x / 2.0x a one-row step at 2 / 5 /
+    9 rows to 1.13x / 1.45x / 1.57x.
     """
 
     ROW_MAJOR_ROWS = (2, 3)
+    PACKED_MAX_ROWS = 12
 
     def __init__(self, d_in: int, d_out: int):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(d_in, d_out))
         self.weight_rows: Tensor | None = None
+        self.weight_packed: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.weight_rows is not None and x.shape[0] in self.ROW_MAJOR_ROWS and x.dim() == 2:
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if rows == 1:
+            return x @ self.weight_t
+        if self.weight_rows is not None and rows in self.ROW_MAJOR_ROWS:
             return F.linear(x, self.weight_rows)
+        if self.weight_packed is not None and 2 <= rows <= self.PACKED_MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight_packed, None, "none", [], "")
         return x @ self.weight_t
 
 
@@ -206,8 +224,8 @@ class Transformer(nn.Module):
                         attention_impl: str = "reference", small_step_weights: bool = True) -> "Transformer":
         """Build from a Hugging Face Llama checkpoint folder (config.json + *.safetensors).
 
-        `small_step_weights`: on the CPU, also keep the `[out, in]` weights that make two- and three-row
-        steps faster (see `Linear`); a worker that never runs such steps (prefill) leaves them out."""
+        `small_step_weights`: on the CPU, also keep the weight layouts that make steps of 2-12 rows faster
+        (see `Linear`); a worker that never runs such steps (prefill) leaves them out."""
         model_dir = Path(model_dir)
         args = ModelArgs.from_hf_config(json.loads((model_dir / "config.json").read_text()))
         files = sorted(model_dir.glob("*.safetensors"))
@@ -225,19 +243,27 @@ class Transformer(nn.Module):
         model.register_buffer("rope_sin_rot", sin_rot, persistent=False)
         model = model.to(device=device, dtype=dtype).eval()
         if small_step_weights and model.tok_embeddings.weight.device.type == "cpu":
-            model.add_row_major_weights()
+            model.add_cpu_layouts()
         return model
 
-    def add_row_major_weights(self) -> None:
-        """Give every projection its `[out, in]` copy for two-row steps (see `Linear`). The tied output
-        projection uses the embedding table itself; the others cost one more copy of their weights."""
+    def add_cpu_layouts(self, rows: bool = True, packed: bool = True) -> None:
+        """Extra weight layouts for the CPU's BLAS (see `Linear`): `rows`, the `[out, in]` copy for two- and
+        three-row steps (the tied output projection uses the embedding table itself); `packed`, oneDNN's
+        prepacked copy for four rows or more (float32 only, where oneDNN is built in)."""
+        packed = packed and torch.backends.mkldnn.is_available() and self.tok_embeddings.weight.dtype == torch.float32
         tied = self.args.tie_embeddings
-        for name, mod in self.named_modules():
-            if isinstance(mod, Linear):
-                if mod is self.output and tied:
-                    mod.weight_rows = self.tok_embeddings.weight.detach()
-                else:
-                    mod.weight_rows = mod.weight_t.detach().t().contiguous()
+        for mod in self.modules():
+            if not isinstance(mod, Linear):
+                continue
+            w = self.tok_embeddings.weight.detach() if mod is self.output and tied else \
+                mod.weight_t.detach().t().contiguous()
+            if rows:
+                mod.weight_rows = w
+            if packed:
+                try:
+                    mod.weight_packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+                except (RuntimeError, AttributeError):  # an oneDNN without the op: BLAS it is
+                    mod.weight_packed = None
 
 
 def _rope(args: ModelArgs) -> tuple[Tensor, Tensor]:
