@@ -144,7 +144,8 @@ class DecodeWorker(WorkerBase):
             blocks = max(16, args.kv_capacity_bytes // (self.runner.layout.block_bytes * self.runner.layout.num_layers))
             # no prefix cache: decode never looks prompts up, and cached blocks would fragment the free space
             engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
-                                 block_size=self.runner.layout.block_size, num_blocks=blocks, prefix_cache=False)
+                                 block_size=self.runner.layout.block_size, num_blocks=blocks, prefix_cache=False,
+                                 small_step_weights=args.cpu_weight_layouts)
             self.runner.layout.check_matches(engine.layout, what="paged engine")
             return engine
         if args.engine == "paged":
@@ -574,6 +575,10 @@ def _args(p: argparse.ArgumentParser) -> None:
                         "pay); fixed: always the max (for tests and measurements)")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--kv-compression", default="none", choices=["none", "int8", "fp8"])
+    p.add_argument("--cpu-weight-layouts", action=argparse.BooleanOptionalAction, default=True,
+                   help="on the CPU, keep two more copies of the weights that make steps of 2-12 rows (speculative "
+                        "verification, small batches) 15-40%% cheaper; --no-cpu-weight-layouts saves that memory "
+                        "(2x the model's projection weights)")
 
 
 def main(argv: list[str]) -> int:
