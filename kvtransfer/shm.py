@@ -5,9 +5,10 @@ copy, and freeing it again when the KV dies: measured here, that made shared mem
 memcpy. So the receiver (decode) keeps a pool of segments that stay mapped and populated: for a
 transfer it leases one at least as big as the KV and names it to the sender (a GRANT frame); the
 sender maps that range (MAP_POPULATE: the pages exist already, only the page tables are filled; the
-mapping is kept for the segment's next grant, see `SenderMaps`) and copies each layer in; the receiver hands out tensors that are views into the segment (no copy). The
-segment goes back to the pool when the last of those tensors is freed, never before: a view that
-outlives the transfer keeps its bytes.
+mapping is kept for the segment's next grant, see `SenderMaps`) and copies each layer in; the
+receiver hands out tensors that are views into the segment (no copy). The segment goes back to the
+pool when the last of those tensors is freed, never before: a view that outlives the transfer keeps
+its bytes.
 
 Leaks: every segment's file is flock-ed (shared) by the process that owns it for as long as it lives,
 so a segment whose owner died is recognisable — nobody holds its lock — and is removed by the next
@@ -219,7 +220,9 @@ class _Mapping:
         self.used = 0.0
 
     def write(self, offset: int, src: torch.Tensor) -> None:
-        """Copy a contiguous CPU tensor's bytes to `offset` (glibc memmove: faster than a tensor copy_ here)."""
+        """Copy a tensor's bytes to `offset` (glibc memmove: faster than a tensor copy_ here)."""
+        if src.device.type != "cpu" or not src.is_contiguous():
+            src = src.detach().to("cpu").contiguous()
         n = src.numel() * src.element_size()
         if offset < 0 or offset + n > self.size:
             raise ValueError(f"{n} bytes at {offset} lie outside the {self.size}-byte segment")
