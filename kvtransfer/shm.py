@@ -145,6 +145,12 @@ class ShmPool:
                 self._leased.add(seg)
         return Lease(self, seg, nbytes)
 
+    def has_idle(self, nbytes: int) -> bool:
+        """Whether an idle segment could take `nbytes` (a lease would make no new one)."""
+        want = _size_class(nbytes)
+        with self._lock:
+            return any(s.size >= want for s in self._idle)
+
     def _discard(self, seg: _Segment) -> None:
         with self._lock:
             seg.discarded = True

@@ -340,3 +340,35 @@ def test_int8_deflates_compressible_chunks_and_sends_the_rest_plain():
     assert ZCHUNK in quiet and CHUNK not in quiet
     assert all(k != ZCHUNK for k in [k for k, *_ in layer_wire_pieces(0, layer, "none")])
     assert len(noisy) == len(quiet)  # same frames either way: one SCALES, then the chunks
+
+
+def test_tcp_transfers_land_in_pooled_memory_reused_once_the_kv_is_freed():
+    """Uncompressed TCP KV is received into the receiver's warm segment pool (no page faults after the
+    first transfer): a segment goes back when decode frees the KV, never while a view of it lives."""
+    import gc
+
+    a, b, c = (make_kv(37 + i) for i in range(3))
+
+    async def go():
+        rx = await KVReceiver(LAYOUT).start()
+
+        async def one(kv, rid):
+            token = rx.expect(rid, "prefill-a", 7, LAYOUT, kv.num_tokens)
+            _, (got, _) = await asyncio.gather(send_kv(rx.address, header(token, kv, request_id=rid), kv),
+                                               rx.wait(token, 5))
+            return got
+
+        got_a = await one(a, "ra")
+        got_b = await one(b, "rb")  # a's KV still alive: b gets a segment of its own
+        assert rx.shm_pool.created == 2
+        assert all(torch.equal(x, y) for x, y in zip(a.layers, got_a.layers)), "b overwrote a's live KV"
+        del got_a, got_b
+        gc.collect()
+        got_c = await one(c, "rc")  # reuses a freed segment
+        assert rx.shm_pool.created == 2
+        assert all(torch.equal(x, y) for x, y in zip(c.layers, got_c.layers))
+        await rx.close()
+        return got_c
+
+    got_c = run(go())
+    assert all(torch.equal(x, y) for x, y in zip(c.layers, got_c.layers)), "the KV outlives the receiver"
