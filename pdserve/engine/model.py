@@ -86,15 +86,15 @@ class Linear(nn.Module):
     speculative step at batch 1 feeds k + 1 = 2-9 rows. All projections of one SmolLM2 step, weights
     cold (not in cache), thread CPU ms:
 
-        rows              1     2     3     4     6     9
-        x @ W_t          36    59    57    66    62    83
-        F.linear [out,in] 38    44    45    79    85   124
-        oneDNN packed    46    56    52    51    52    56
+        rows                1     2     3     4     6     9
+        x @ W_t            36    59    57    66    62    83
+        F.linear [out, in] 38    44    45    79    85   124
+        oneDNN packed      46    56    52    51    52    56
 
     So on the CPU (`Transformer.add_cpu_layouts`) a module may also hold `weight_rows` (`[out, in]`,
     for `ROW_MAJOR_ROWS`) and `weight_packed` (oneDNN's layout, for up to `PACKED_MAX_ROWS` rows). A
-    whole engine step at 300 tokens of context went from 1.44x / 1.5x / 2.0x a one-row step at 2 / 5 /
-    9 rows to 1.13x / 1.45x / 1.57x.
+    whole engine step at 300 tokens of context went from 1.44x / 1.5-1.7x / 2.0x a one-row step at
+    2 / 5 / 9 rows to 1.13-1.23x / 1.45-1.53x / 1.57-1.67x (three runs on a noisy host).
     """
 
     ROW_MAJOR_ROWS = (2, 3)

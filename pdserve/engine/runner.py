@@ -30,7 +30,7 @@ class PagedRunner:
     `paged_attention` ("reference" on the CPU, "auto" elsewhere by default). `prefix_cache=False`
     publishes no blocks to the prefix cache (decode, which never looks prompts up): freed blocks
     are then truly free, which keeps the pool's free space in long runs. `small_step_weights=False` leaves
-    out the second weight layout for two- and three-row steps (see `model.Linear`): prefill never runs them.
+    out the extra CPU weight layouts for steps of 2-12 rows (see `model.Linear`): prefill has no use for them.
     """
 
     def __init__(
