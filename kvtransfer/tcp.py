@@ -461,7 +461,7 @@ class _BlockingSender:
         small: list = []  # headers and trailers waiting to go out with the next payload (or at the end)
         self._unchecked = 1 << 62  # bytes sent since we last looked for a refusal: look at once
         headed = [i for i, f in enumerate(frames) if f[0] != CHUNK]  # frames with a crc in their header
-        crc_of: dict[int, concurrent.futures.Future] = {}  # frame index -> its crc, one such frame ahead
+        crc_of: dict[int, int | concurrent.futures.Future] = {}  # frame index -> its crc, one such frame ahead
         try:
             for i, (kind, layer, offset, payload) in enumerate(frames):
                 if self._refused_now():
@@ -477,9 +477,14 @@ class _BlockingSender:
                 if crcs:
                     for j in headed[:2]:  # this frame's crc, and the next one's to run while this one goes out
                         if j not in crc_of:
-                            crc_of[j] = _CRC_POOL.submit(_crc, frames[j][3])
+                            data = frames[j][3]  # a small one (HELLO, END, scales) costs less than a thread hop
+                            crc_of[j] = _crc(data) if len(data) < _INLINE_CRC_BYTES else _CRC_POOL.submit(_crc, data)
                     headed.pop(0)
-                crc = crc_of.pop(i).result() if crcs else getattr(payload, "crc", 0)
+                if crcs:
+                    crc = crc_of.pop(i)
+                    crc = crc if isinstance(crc, int) else crc.result()
+                else:
+                    crc = getattr(payload, "crc", 0)
                 small.append(_HDR.pack(MAGIC, FRAME_VERSION, kind, layer, crc, offset, n))
                 if kind == SHM or n == 0:
                     continue
@@ -547,6 +552,7 @@ class _BlockingSender:
 
 
 _REFUSAL_CHECK_BYTES = 4 << 20
+_INLINE_CRC_BYTES = 256 << 10  # smaller payloads are checksummed in the sending thread (~8 us at most)
 
 
 def _send_all(sock: socket.socket, bufs: list) -> None:
