@@ -263,7 +263,6 @@ class Assembly:
         self.complete = [False] * L
         self.bytes_on_wire = 0
         self.t0 = time.monotonic()
-        self.eager: Callable[[], bool] = lambda: False  # does someone consume layers as they complete?
         self.lease: Lease | None = None  # pooled memory to land uncompressed layers in (see KVReceiver._pooled)
 
     def _wire_buf(self, layer: int) -> torch.Tensor:
@@ -480,7 +479,6 @@ class _BlockingSender:
                             data = frames[j][3]  # a small one (HELLO, END, scales) costs less than a thread hop
                             crc_of[j] = _crc(data) if len(data) < _INLINE_CRC_BYTES else _CRC_POOL.submit(_crc, data)
                     headed.pop(0)
-                if crcs:
                     crc = crc_of.pop(i)
                     crc = crc if isinstance(crc, int) else crc.result()
                 else:
@@ -745,7 +743,7 @@ def _write_shm_layer(mm: _Mapping, index: int, layer: torch.Tensor,
     offset = index * n
     if offset + n > mm.size:
         raise TransferError(f"layer {index} does not fit the shared-memory segment")
-    mm.write(offset, layer.contiguous())
+    mm.write(offset, layer)
     crc = _crc(memoryview(mm.mm)[offset:offset + n]) if header.shm_verify else 0
     # an SHM frame has no payload: `length` in its header is the layer's size in the segment
     return [(SHM, index, offset, _ShmLen(n, crc))]
@@ -957,7 +955,6 @@ class KVReceiver:
                 loop.call_soon_threadsafe(exp.layer_queue.put_nowait, (i, t))
 
         asm = Assembly(self.layout, header, on_layer)
-        asm.eager = lambda: exp.layer_queue is not None
         return exp, asm
 
     def complete(self, exp: Expected, asm: Assembly) -> dict:
