@@ -264,12 +264,12 @@ class SenderMaps:
         self.max_bytes = int(os.environ.get("PDSERVE_SHM_SENDER_MAP_BYTES", 2 << 30)) if max_bytes is None \
             else max_bytes
         self._lock = threading.Lock()
-        self._maps: dict[tuple[str, str], _Mapping] = {}
+        self._maps: dict[str, _Mapping] = {}  # by the segment's path
         self.mapped = 0  # new mappings made (a kept one reused is not counted)
 
     def acquire(self, directory: str, name: str, nbytes: int, warm: bool) -> _Mapping:
         """The mapping of granted segment `name` (kept or new), for one transfer's exclusive use."""
-        key = (directory, check_name(name))
+        key = os.path.join(directory, check_name(name))
         stale: list[_Mapping] = []
         with self._lock:
             for k, m in list(self._maps.items()):  # files gone (or replaced): let their pages go
@@ -299,9 +299,8 @@ class SenderMaps:
         with self._lock:
             m.busy = False
             m.used = time.monotonic()
-            key = next((k for k, v in self._maps.items() if v is m), None)
-            if not ok and key is not None:
-                drop.append(self._maps.pop(key))
+            if not ok and self._maps.get(m.path) is m:
+                drop.append(self._maps.pop(m.path))
             idle = sorted((v.used, k) for k, v in self._maps.items() if not v.busy)
             total = sum(v.size for v in self._maps.values())
             while idle and total > self.max_bytes:
