@@ -246,19 +246,18 @@ class Transformer(nn.Module):
             model.add_cpu_layouts()
         return model
 
-    def add_cpu_layouts(self, rows: bool = True, packed: bool = True) -> None:
-        """Extra weight layouts for the CPU's BLAS (see `Linear`): `rows`, the `[out, in]` copy for two- and
-        three-row steps (the tied output projection uses the embedding table itself); `packed`, oneDNN's
-        prepacked copy for four rows or more (float32 only, where oneDNN is built in)."""
-        packed = packed and torch.backends.mkldnn.is_available() and self.tok_embeddings.weight.dtype == torch.float32
+    def add_cpu_layouts(self) -> None:
+        """Extra weight layouts for the CPU's BLAS (see `Linear`): the `[out, in]` copy for two- and three-row
+        steps (the tied output projection uses the embedding table itself), and oneDNN's prepacked copy for
+        four rows or more (float32 only, where oneDNN is built in)."""
+        packed = torch.backends.mkldnn.is_available() and self.tok_embeddings.weight.dtype == torch.float32
         tied = self.args.tie_embeddings
         for mod in self.modules():
             if not isinstance(mod, Linear):
                 continue
             w = self.tok_embeddings.weight.detach() if mod is self.output and tied else \
                 mod.weight_t.detach().t().contiguous()
-            if rows:
-                mod.weight_rows = w
+            mod.weight_rows = w
             if packed:
                 try:
                     mod.weight_packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
