@@ -12,9 +12,10 @@ import torch
 
 from kvhelpers import random_kv
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
+from pdserve.kvtransfer import tcp
 from pdserve.kvtransfer.tcp import (
-    CHUNK, END, HELLO, PIECE_BYTES, TCHUNK, ZCHUNK, KVReceiver, TransferError, TransferHeader, _frame, _read_frame,
-    layer_wire_pieces, send_kv,
+    CHUNK, END, FOLLOWS, HELLO, KEPT, PIECE_BYTES, TCHUNK, ZCHUNK, KeptConnections, KVReceiver, TransferError,
+    TransferHeader, _frame, _read_frame, layer_wire_pieces, send_kv, send_kv_stream,
 )
 
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=3, kv_heads=2, head_dim=8, dtype="float32", block_size=4)
@@ -87,23 +88,25 @@ def _send_raw(addr: str, frames: list[bytes], read_ack: bool = True, timeout: fl
     return go()
 
 
-def _frames_for(kv: KVBlocks, hdr: TransferHeader, kind: int = CHUNK) -> list[bytes]:
-    """HELLO, one frame per layer (CHUNK: crc in the header; TCHUNK: crc in a trailer), END."""
+def _frames_for(kv: KVBlocks, hdr: TransferHeader, kind: int = CHUNK, flags: int = 0) -> list[bytes]:
+    """HELLO, one frame per layer (CHUNK: crc in the header; TCHUNK: crc in a trailer, `flags` in its
+    header), END."""
     out = [b"".join(_frame(HELLO, hdr.model_dump_json().encode()))]
     for i, layer in enumerate(kv.layers):
-        out.append(b"".join(bytes(x) for x in _frame(kind, layer.contiguous().view(torch.uint8).numpy().tobytes(), i)))
+        raw = layer.contiguous().view(torch.uint8).numpy().tobytes()
+        out.append(b"".join(bytes(x) for x in _frame(kind, raw, i, flags=flags)))
     out.append(b"".join(_frame(END, b"{}")))
     return out
 
 
 def _expect_failure(mutate, match: str, stall_timeout: float = 5.0, wait_timeout: float = 5.0,
-                    kind: int = CHUNK, kv: KVBlocks | None = None):
+                    kind: int = CHUNK, kv: KVBlocks | None = None, flags: int = 0):
     kv = kv or make_kv()
 
     async def go():
         rx = await KVReceiver(LAYOUT, stall_timeout=stall_timeout).start()
         token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens)
-        frames = _frames_for(kv, header(token, kv), kind)
+        frames = _frames_for(kv, header(token, kv), kind, flags)
         frames, hdr_over = mutate(frames, token)
         sender = asyncio.create_task(_send_raw(rx.address, frames))
         with pytest.raises(TransferError, match=match):
@@ -116,17 +119,47 @@ def _expect_failure(mutate, match: str, stall_timeout: float = 5.0, wait_timeout
     return run(go())
 
 
-@pytest.mark.parametrize("kind,where", [(CHUNK, -1), (TCHUNK, 40), (TCHUNK, -1)],
-                         ids=["chunk", "trailed-chunk-payload", "trailed-chunk-trailer"])
-def test_corrupt_chunk_is_refused(kind, where):
+@pytest.mark.parametrize("kind,where,flags", [(CHUNK, -1, 0), (TCHUNK, 40, 0), (TCHUNK, -1, 0), (TCHUNK, -1, FOLLOWS)],
+                         ids=["chunk", "trailed-chunk-payload", "trailed-chunk-trailer", "trailer-then-next-header"])
+def test_corrupt_chunk_is_refused(kind, where, flags):
+    """FOLLOWS: the receiver reads the trailer and the next frame's header in one read."""
     def corrupt(frames, token):
         bad = bytearray(frames[2])
         bad[where] ^= 0xFF  # flip bits in layer 1's payload (or in a TCHUNK's crc trailer)
         frames[2] = bytes(bad)
         return frames, None
 
-    ack = _expect_failure(corrupt, "corrupt chunk \\(layer 1\\)", kind=kind)
+    ack = _expect_failure(corrupt, "corrupt chunk \\(layer 1\\)", kind=kind, flags=flags)
     assert ack == {"ok": False, "error": "corrupt chunk (layer 1): crc32 mismatch"}
+
+
+def test_a_header_announced_to_follow_a_trailer_is_checked_like_any_other():
+    """A TCHUNK flagged FOLLOWS whose next header is garbage (or that never comes) is refused, not trusted."""
+    def garble(frames, token):
+        frames[3] = b"JUNK" + frames[3][4:]  # layer 2's header, read together with layer 1's trailer
+        return frames, None
+
+    ack = _expect_failure(garble, "not a pdserve KV stream", kind=TCHUNK, flags=FOLLOWS)
+    assert ack["ok"] is False
+
+    def stop(frames, token):
+        return frames[:3], None  # layer 1 says a header follows; then nothing, the connection held open
+
+    async def go():
+        kv = make_kv()
+        rx = await KVReceiver(LAYOUT, stall_timeout=0.5).start()
+        token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens)
+        frames, _ = stop(_frames_for(kv, header(token, kv), TCHUNK, FOLLOWS), token)
+        host, _, port = rx.address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"".join(frames))
+        await writer.drain()
+        with pytest.raises(TransferError, match="peer stalled"):
+            await rx.wait(token, 5)
+        writer.close()
+        await rx.close()
+
+    run(go())
 
 
 def test_trailed_chunk_corrupt_in_a_later_piece_is_refused():
@@ -372,3 +405,120 @@ def test_tcp_transfers_land_in_pooled_memory_reused_once_the_kv_is_freed():
 
     got_c = run(go())
     assert all(torch.equal(x, y) for x, y in zip(c.layers, got_c.layers)), "the KV outlives the receiver"
+
+
+# --- kept connections -----------------------------------------------------------------------------
+
+
+async def _transfer(rx: KVReceiver, kv: KVBlocks, rid: str, stream_delay: float | None = None):
+    """One transfer to `rx`: all layers at once, or (stream_delay) one layer per `stream_delay` s."""
+    token = rx.expect(rid, "prefill-a", 7, LAYOUT, kv.num_tokens)
+    hdr = header(token, kv, request_id=rid)
+    if stream_delay is None:
+        sending = send_kv(rx.address, hdr, kv)
+    else:
+        async def layers():
+            for i, t in enumerate(kv.layers):
+                await asyncio.sleep(stream_delay)
+                yield i, t
+        sending = send_kv_stream(rx.address, hdr, layers())
+    ack, (got, _) = await asyncio.gather(sending, rx.wait(token, 5))
+    assert all(torch.equal(a, b) for a, b in zip(kv.layers, got.layers)), f"{rid} not bit-exact"
+    return ack
+
+
+def test_the_connection_is_kept_for_the_next_transfer():
+    """After a transfer the receiver said it keeps (`keep_s` in its ACK), the next one to the same
+    receiver goes over the same connection; a receiver that keeps none (max_kept=0) is not kept."""
+    KEPT.clear()
+    kv = make_kv()
+
+    async def go():
+        rx = await KVReceiver(LAYOUT).start()
+        ack = await _transfer(rx, kv, "r1")
+        assert ack["keep_s"] == rx.keep_idle_s and KEPT.idle(rx.address) == 1 and rx.active == 1
+        kept = KEPT._idle[rx.address][0][0]
+        for rid in ("r2", "r3"):
+            await _transfer(rx, kv, rid)
+            assert KEPT.idle(rx.address) == 1 and KEPT._idle[rx.address][0][0] is kept and rx.active == 1
+        await rx.close()
+
+        rx = await KVReceiver(LAYOUT, max_kept=0).start()
+        ack = await _transfer(rx, kv, "r4")
+        assert "keep_s" not in ack and KEPT.idle(rx.address) == 0
+        for _ in range(50):  # the receiver's thread lets go of the connection once the ACK is out
+            if rx.active == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert rx.active == 0
+        await rx.close()
+
+    run(go())
+
+
+@pytest.mark.parametrize("stream_delay", [None, 0.01], ids=["all-at-once", "streamed"])
+def test_a_kept_connection_the_receiver_closed_is_replaced(monkeypatch, caplog, stream_delay):
+    """The receiver closes a connection idle past its `keep_idle_s` (the sender uses one only within half
+    of that). One the receiver closed otherwise is seen at once (it reads EOF) and replaced. And if the
+    sender missed it (the close crossed its HELLO: here the liveness check is blinded), the transfer fails
+    on the dead connection before the receiver said anything, so it starts again once on a new one, the
+    layers it had taken replayed. Bit-exact every time."""
+    import socket
+
+    KEPT.clear()
+    kv = make_kv()
+
+    async def receiver_hangs_up(rx: KVReceiver) -> None:
+        for c in list(rx._conns):
+            c.shutdown(socket.SHUT_RDWR)
+        for _ in range(100):
+            if rx.active == 0:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the receiver kept the connection")
+
+    async def go():
+        rx = await KVReceiver(LAYOUT, keep_idle_s=0.2).start()
+        await _transfer(rx, kv, "r1", stream_delay)
+        await asyncio.sleep(0.5)
+        assert rx.active == 0, "the receiver closed the idle connection"
+        await _transfer(rx, kv, "r2", stream_delay)
+        await rx.close()
+
+        rx = await KVReceiver(LAYOUT).start()
+        with caplog.at_level("INFO", logger="pdserve.kvtransfer.tcp"):
+            await _transfer(rx, kv, "r3", stream_delay)
+            await receiver_hangs_up(rx)
+            assert KEPT.idle(rx.address) == 1
+            await _transfer(rx, kv, "r4", stream_delay)  # the closed connection is seen and dropped
+            assert "sending on a new one" not in caplog.text
+            await receiver_hangs_up(rx)
+            monkeypatch.setattr(tcp, "_readable", lambda sock: False)
+            await _transfer(rx, kv, "r5", stream_delay)  # sent on the dead one first, then again
+            assert "sending on a new one" in caplog.text
+        await rx.close()
+
+    run(go())
+
+
+def test_kept_connections_are_bounded():
+    import socket
+
+    pool = KeptConnections(per_addr=2, total=3)
+    pairs = [socket.socketpair() for _ in range(6)]
+    for s, _ in pairs[:3]:
+        pool.put("a:1", s, 60)
+    assert pool.idle("a:1") == 2 and pairs[0][0].fileno() == -1, "the oldest beyond per_addr is closed"
+    pool.put("b:1", pairs[3][0], 60)
+    pool.put("b:1", pairs[4][0], 60)
+    assert pool.idle() == 3 and pairs[1][0].fileno() == -1, "the oldest overall beyond total is closed"
+    assert pool.take("b:1") is pairs[4][0], "newest first"
+    pairs[3][1].close()  # the peer of b's remaining connection hangs up
+    assert pool.take("b:1") is None and pairs[3][0].fileno() == -1
+    pool.put("c:1", pairs[5][0], 0.0)  # use-by already past
+    assert pool.take("c:1") is None and pairs[5][0].fileno() == -1
+    pool.clear()
+    assert pool.idle() == 0 and pairs[2][0].fileno() == -1
+    for s, t in pairs:
+        s.close()
+        t.close()
