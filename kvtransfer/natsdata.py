@@ -24,8 +24,8 @@ import torch
 
 from pdserve.kvtransfer.protocol import Subjects
 from pdserve.kvtransfer.tcp import (
-    CHUNK, DEFAULT_CHUNK_BYTES, END, HELLO, MAX_CHUNK, MAX_CONTROL_FRAME, SCALES, Assembly, KVReceiver,
-    TransferError, TransferHeader, _HDR, _crc, _frame, _parse_header, layer_wire_pieces,
+    END, HELLO, MAX_CHUNK, Assembly, KVReceiver, TransferError, TransferHeader, _HDR, _crc, _frame, _parse_header,
+    layer_wire_pieces,
 )
 from pdserve.kvtransfer.layout import KVBlocks, LayoutMismatch
 
@@ -184,6 +184,9 @@ class NatsTransferServer:
         self.sub = await self.nc.subscribe(Subjects.kv_data(self.token), cb=self._on_msg)
         self.watchdog = asyncio.create_task(self._watch())
         self.exp.cleanup.append(self._stop)
+        # the server has the subscription before the sender can hear of it: the reply may travel a faster
+        # way than this connection (or another NATS connection), and a chunk sent before would find nobody
+        await self.nc.flush()
         return self
 
     def _stop(self) -> None:

@@ -116,6 +116,30 @@ def test_every_transport_is_bit_exact_and_leaves_nothing(nats_server, transport,
     assert f"kv-{reply.transfer_token}" not in objects, "the receiver must delete the fetched object"
 
 
+def test_nats_transfer_sent_the_moment_the_reply_is_out_finds_its_receiver(nats_server):
+    """Prefill and decode hold NATS connections of their own, and the reply may reach the sender sooner
+    than decode's subscription reaches the server (a reply relayed by another worker or over HTTP). The
+    receive channel's `expect` returns only once the server has its subscription, so a sender that starts
+    at that instant is heard, every time."""
+    kv = make_kv(37)
+
+    async def go():
+        nc_decode, nc_prefill = await _connect(nats_server), await _connect(nats_server)
+        rx = await KVReceiver(LAYOUT).start()
+        recv = KVReceiveChannel(rx, nc_decode, worker_id="decode-a")
+        send = KVSendChannel(nc_prefill, sender_id="prefill-a", generation=7, transports=["nats"])
+        for i in range(10):
+            reply = await recv.expect(make_offer(kv, send, request_id=f"r{i}"))
+            header = send.header(reply, f"r{i}", LAYOUT, kv.num_tokens)
+            ack, (got, _) = await asyncio.gather(send.send(reply, header, kv), recv.wait(reply.transfer_token, 10))
+            assert ack["ok"] and all(torch.equal(a, b) for a, b in zip(kv.layers, got.layers))
+        await rx.close()
+        await nc_decode.close()
+        await nc_prefill.close()
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("transport", ["tcp", "nats", "objstore"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_compression_is_negotiated_and_matches_the_quantiser(nats_server, transport, fmt):
