@@ -522,3 +522,34 @@ def test_kept_connections_are_bounded():
     for s, t in pairs:
         s.close()
         t.close()
+
+
+def test_a_piece_and_what_follows_it_arrive_whole_across_partial_reads():
+    """`_recv_exact(sock, piece, then)` fills both buffers whatever the reads return: here the first read
+    ends early (the socket's timeout passes with part of the bytes in), the rest comes after."""
+    import socket
+    import threading
+    import time
+
+    a, b = socket.socketpair()
+    tcp._io_timeout(b, 0.2)
+    data = bytes(range(256)) * 40  # 10 KiB: a piece of 10,000 bytes, then 240 more
+    piece, then = bytearray(10_000), bytearray(240)
+
+    def dribble():
+        a.sendall(data[:3000])
+        time.sleep(0.35)  # past the reader's timeout: its read returns the 3000 bytes it has
+        a.sendall(data[3000:10_100])
+        time.sleep(0.05)
+        a.sendall(data[10_100:])
+
+    t = threading.Thread(target=dribble)
+    t.start()
+    tcp._recv_exact(b, piece, then)
+    t.join()
+    assert bytes(piece) == data[:10_000] and bytes(then) == data[10_000:]
+    a.sendall(data[:5000])
+    a.close()
+    with pytest.raises(TransferError, match="stream truncated: got 5000 of 10240 bytes"):
+        tcp._recv_exact(b, piece, then)
+    b.close()
