@@ -16,8 +16,14 @@ raw TCP at 16 MiB in one process against 0.79-0.84 in two, same code). A transfe
 prefill side's first call (`KVSendChannel.send`) until both sides are done: the sender holds the ACK and
 the decode side's `wait()` has returned the KV (its `time.perf_counter()`, the same monotonic clock in
 both processes). The rendezvous before it (offer and reply: one NATS request in a deployment, a pipe
-here) is control-plane, the same for every transport, and not in the timing. CPU is both processes' `time.process_time` over
-their part of the transfer (the NATS server's CPU is not counted).
+here) is control-plane, the same for every transport, and not in the timing. CPU is both processes'
+`time.process_time` over their part of the transfer (the NATS server's CPU is not counted).
+
+Every method runs once per round, the rounds interleaved (15 / 4 / 3 by size, after a warm-up round).
+The table gives each method's median throughput (its best in brackets) and, as "vs raw TCP" and "vs
+memcpy", the median over rounds of its throughput against the reference's in the same round: the host's
+speed drifts by 2x within minutes here, and a best-of ratio is set by whichever side had the one lucky
+round (raw TCP, which connects and starts a thread every time, has the wider spread).
 
 Then the int8 wire-byte ratios against bf16 and fp32, measured on the real default model's KV (the
 deflate pass after quantisation depends on the values, so random KV would say nothing), layer
@@ -39,6 +45,7 @@ import socket
 import sys
 import threading
 import time
+from statistics import median
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -232,7 +239,7 @@ def run_sizes(sizes_mib: list[int], loop, bench: Bench, quick: bool, only: list[
     for mib in sizes_mib:
         kv = make_kv(mib * MiB)
         nbytes = kv.nbytes
-        rounds = reps or (15 if mib <= 64 else 4 if mib <= 256 else 2)
+        rounds = reps or (15 if mib <= 64 else 4 if mib <= 256 else 3)
         out = destination(kv)
         methods = {
             "raw TCP": lambda: measure(lambda: raw_tcp(kv, out)),
@@ -250,13 +257,14 @@ def run_sizes(sizes_mib: list[int], loop, bench: Bench, quick: bool, only: list[
             del methods["object store"]
         if only:  # the references always run: every ratio is against this run's own raw TCP and memcpy
             methods = {k: v for k, v in methods.items() if k in only or k in ("raw TCP", "memcpy")}
-        # a 16 MiB transfer takes ~8 ms: one preemption on a shared 2-core host costs more than the
+        # a 16 MiB transfer takes ~6 ms: one preemption on a shared 2-core host costs more than the
         # channel's whole overhead, so small sizes get many rounds. The object store (~0.01 GB/s) runs once.
         slow: set = {"object store"}
         res: dict = {}
-        best: dict = {}
-        # Rounds that run every method once, best of the rounds per method: on a shared machine the load
-        # drifts, and interleaving keeps the ratios fair. Round 0 is a warm-up (connections, buckets).
+        runs: dict = {name: {} for name in methods}  # name -> {round: (wall s, CPU s)}
+        # Rounds that run every method once: on a shared machine the load drifts, and a method's ratio to the
+        # references is taken within each round, then the median of those is reported. Round 0 is a warm-up
+        # (connections, buckets, pools).
         for rnd in range(rounds + 1):
             for name, fn in methods.items():
                 if "error" in res.get(name, {}) or (name in slow and rnd != 1):
@@ -267,13 +275,19 @@ def run_sizes(sizes_mib: list[int], loop, bench: Bench, quick: bool, only: list[
                     res[name] = {"error": f"{type(e).__name__}: {e}"}
                     print(f"  {mib:>5} MiB  {name:<16} failed: {res[name]['error']}", flush=True)
                     continue
-                if rnd and w < best.get(name, (float("inf"), 0))[0]:
-                    best[name] = (w, c)
+                if rnd:
+                    runs[name][rnd] = (w, c)
         for name in methods:
-            if name in best:
-                wall, cpu = best[name]
-                res[name] = {"gbps": nbytes / wall / 1e9, "cpu_s_per_gib": cpu / (nbytes / GiB), "seconds": wall}
-                print(f"  {mib:>5} MiB  {name:<16}{res[name]['gbps']:7.2f} GB/s  "
+            if runs[name] and "error" not in res.get(name, {}):
+                walls = [w for w, _ in runs[name].values()]
+                res[name] = {"gbps": nbytes / median(walls) / 1e9, "gbps_best": nbytes / min(walls) / 1e9,
+                             "cpu_s_per_gib": median([c for _, c in runs[name].values()]) / (nbytes / GiB),
+                             "seconds": median(walls), "rounds": len(walls)}
+                for ref, key in (("raw TCP", "vs_raw"), ("memcpy", "vs_memcpy")):
+                    paired = [runs[ref][r][0] / w for r, (w, _) in runs[name].items() if r in runs.get(ref, {})]
+                    if paired:
+                        res[name][key] = median(paired)
+                print(f"  {mib:>5} MiB  {name:<16}{res[name]['gbps']:7.2f} GB/s (best {res[name]['gbps_best']:.2f})  "
                       f"{res[name]['cpu_s_per_gib']:6.2f} CPU s/GiB")
             else:
                 print(f"  {mib:>5} MiB  {name:<16} failed: {res[name]['error']}")
@@ -283,22 +297,23 @@ def run_sizes(sizes_mib: list[int], loop, bench: Bench, quick: bool, only: list[
 
 
 def print_table(rows: list[dict]) -> None:
+    """Throughput: the median over rounds (best in brackets). The ratios: the median over rounds of the
+    method's throughput against the reference's in the same round."""
     names = ["direct TCP", "shm", "NATS chunked", "object store", "direct TCP int8", "raw TCP", "memcpy"]
-    print("\n| size | method | GB/s | CPU s/GiB | vs raw TCP | vs memcpy |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("\n| size | method | GB/s median (best) | CPU s/GiB | vs raw TCP | vs memcpy | rounds |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for row in rows:
         r = row["results"]
-        raw = r.get("raw TCP", {}).get("gbps")
-        mc = r.get("memcpy", {}).get("gbps")
         for n in names:
             if n not in r:
                 continue
             if "error" in r[n]:
-                print(f"| {row['size_mib']} MiB | {n} | failed: {r[n]['error'][:60]} | | | |")
+                print(f"| {row['size_mib']} MiB | {n} | failed: {r[n]['error'][:60]} | | | | |")
                 continue
-            g = r[n]["gbps"]
-            print(f"| {row['size_mib']} MiB | {n} | {g:.2f} | {r[n]['cpu_s_per_gib']:.2f} | "
-                  f"{g / raw:.0%} | {g / mc:.0%} |" if raw and mc else f"| {row['size_mib']} MiB | {n} | {g:.2f} |")
+            x = r[n]
+            ratios = " | ".join(f"{x[k]:.0%}" if k in x else "" for k in ("vs_raw", "vs_memcpy"))
+            print(f"| {row['size_mib']} MiB | {n} | {x['gbps']:.2f} ({x['gbps_best']:.2f}) | {x['cpu_s_per_gib']:.2f} | "
+                  f"{ratios} | {x['rounds']} |")
 
 
 def run_streaming(loop, bench: Bench, mib: int, delay_s: float) -> dict:
@@ -410,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only-model", action="store_true", help="skip the transport table (with --ttft/--accuracy)")
     ap.add_argument("--methods", help="comma-separated subset of the table's methods, e.g. 'direct TCP,shm' "
                     "(raw TCP and memcpy always run)")
-    ap.add_argument("--reps", type=int, help="measured rounds per size (default 15 / 4 / 2 by size); the best counts")
+    ap.add_argument("--reps", type=int, help="measured rounds per size (default 15 / 4 / 3 by size); medians count")
     ap.add_argument("--no-bytes", action="store_true", help="skip the int8 wire-bytes measurement on the real model")
     ap.add_argument("--no-streaming", action="store_true", help="skip the layer-streaming comparison")
     args = ap.parse_args(argv)
