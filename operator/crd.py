@@ -123,6 +123,10 @@ SPEC_SCHEMA = _obj({
         "compression": _s(enum=COMPRESSIONS, default="none"),
         "timeoutSeconds": {"type": "number", "minimum": 0.1, "maximum": 600, "default": 10},
         "failurePolicy": _s(enum=["recompute", "fail"], default="recompute"),
+        "shmSizeLimit": _s(pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)$", default="4Gi",
+                           description="Bound of each worker's memory-backed /dev/shm, where decode lands received "
+                                       "KV (a pool of warm segments, kept idle up to half of this) and shared-memory "
+                                       "handoffs go. Counts against the pod's memory."),
     }, default={}),
     "prefixCache": _obj({
         "prepositioning": {"type": "boolean", "default": True,

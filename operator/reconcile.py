@@ -91,6 +91,14 @@ def _nats_secret(body: dict, spec: dict, config: OperatorConfig) -> tuple[str, s
     return None
 
 
+def binary_bytes(quantity: str) -> int:
+    """A quantity the CRD allows for sizes ("512Mi", "4Gi": an integer and a binary suffix) in bytes."""
+    for i, suffix in enumerate(("Ki", "Mi", "Gi", "Ti"), 1):
+        if quantity.endswith(suffix):
+            return int(quantity[:-2]) << (10 * i)
+    raise ValueError(f"not a binary quantity: {quantity!r}")
+
+
 def _env(body: dict, spec: dict, config: OperatorConfig, pool: str) -> list[dict]:
     field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
     env = [
@@ -111,6 +119,8 @@ def _env(body: dict, spec: dict, config: OperatorConfig, pool: str) -> list[dict
             {"name": "PDSERVE_KV_COMPRESSION", "value": t["compression"]},
             {"name": "PDSERVE_KV_TIMEOUT_SECONDS", "value": str(t["timeoutSeconds"])},
             {"name": "PDSERVE_KV_FAILURE_POLICY", "value": t["failurePolicy"]},
+            # idle KV segments kept in /dev/shm: half its bound, the rest for segments in use
+            {"name": "PDSERVE_SHM_POOL_BYTES", "value": str(binary_bytes(t["shmSizeLimit"]) // 2)},
         ]
     pc = spec.get("prefixCache") or {}
     if pool == "front":
@@ -212,7 +222,10 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}},
     }
-    volumes: list[dict] = [{"name": "tmp", "emptyDir": {}}, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    # /dev/shm is memory: bounded, so the KV pools in it cannot grow past what the pod was given
+    volumes: list[dict] = [{"name": "tmp", "emptyDir": {}},
+                           {"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                         "sizeLimit": spec["kvTransfer"]["shmSizeLimit"]}}]
     init: list[dict] = []
     model = spec["model"]
     if model.get("pvc"):

@@ -98,6 +98,23 @@ def test_worker_command_lines_env_and_gpus():
     assert pod["securityContext"]["runAsNonRoot"] is True
 
 
+def test_shared_memory_is_bounded_and_the_kv_pool_fits_in_it():
+    """/dev/shm is memory counted against the pod: the operator bounds it (kvTransfer.shmSizeLimit) and
+    tells the workers to keep at most half of it as idle KV segments."""
+    for spec, limit, pool_bytes in (({}, "4Gi", 2 << 30), ({"kvTransfer": {"shmSizeLimit": "768Mi"}}, "768Mi", 384 << 20)):
+        children = desired_children(isvc(spec), CFG)
+        for name in ("llama-prefill", "llama-decode"):
+            pod = by_kind_name(children)[("Deployment", name)]["spec"]["template"]["spec"]
+            assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": limit}} in pod["volumes"]
+            env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+            assert env["PDSERVE_SHM_POOL_BYTES"] == str(pool_bytes)
+    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    pattern = schema["properties"]["spec"]["properties"]["kvTransfer"]["properties"]["shmSizeLimit"]["pattern"]
+    import re
+    assert all(re.match(pattern, q) for q in ("64Mi", "4Gi", "1Ti"))
+    assert not any(re.match(pattern, q) for q in ("4G", "4gi", "-1Gi", "1.5Gi", "4Gi; rm", ""))
+
+
 def test_api_key_external_nats_and_overrides():
     spec = {
         "serving": {"port": 9000, "apiKeySecret": {"name": "api", "key": "token"}},
