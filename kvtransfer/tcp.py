@@ -72,6 +72,10 @@ PIECE_BYTES = 512 << 10  # a TCHUNK's crc runs per piece of this size, on bytes 
 MAX_CONTROL_FRAME = 1 << 20
 MAX_CHUNK = 1 << 31
 DEFAULT_CHUNK_BYTES = 4 << 20  # compressed layers: deflate of chunk i runs beside chunk i+1's
+# Kept connections (see KVReceiver._serve and KEPT): how long a receiver keeps an idle one, and how many
+# connections it keeps open at most (each holds a worker thread)
+KEEP_IDLE_S = float(os.environ.get("PDSERVE_KV_KEEP_IDLE_S", 30.0))
+MAX_KEPT = int(os.environ.get("PDSERVE_KV_MAX_KEPT", 16))
 SHM_DIR = os.environ.get("PDSERVE_SHM_DIR", "/dev/shm")
 SHM_PREFIX = "pdkv-"
 
@@ -569,16 +573,13 @@ class _BlockingSender:
 _REFUSAL_CHECK_BYTES = 4 << 20
 
 
+_INLINE_CRC_BYTES = 256 << 10  # smaller payloads are checksummed in the sending thread (~8 us at most)
+
+
 def _crc_of(data) -> int | concurrent.futures.Future:
     """A frame payload's crc32: at once for a small one (HELLO, END, scales: less than a thread hop),
     in `_CRC_POOL` for a big one."""
     return _crc(data) if len(data) < _INLINE_CRC_BYTES else _CRC_POOL.submit(_crc, data)
-
-# Kept connections (see KVReceiver._serve and KEPT): how long a receiver keeps an idle one, and how many
-# connections it keeps open at most (each holds a worker thread).
-KEEP_IDLE_S = float(os.environ.get("PDSERVE_KV_KEEP_IDLE_S", 30.0))
-MAX_KEPT = int(os.environ.get("PDSERVE_KV_MAX_KEPT", 16))
-_INLINE_CRC_BYTES = 256 << 10  # smaller payloads are checksummed in the sending thread (~8 us at most)
 
 
 def _send_all(sock: socket.socket, bufs: list) -> None:
@@ -948,7 +949,9 @@ class KVReceiver:
     """The decode side's data server: accepts KV streams for transfers it agreed to, nothing else.
 
     Each connection is served by blocking `recv_into` in a worker thread, straight into the
-    preallocated layer tensors; a socket timeout of `stall_timeout` bounds every read. Shared-memory
+    preallocated layer tensors; a socket timeout of `stall_timeout` bounds every read. A connection is
+    kept for the sender's next transfer (`keep_idle_s` idle at most; at most `max_kept` connections open;
+    `keep_idle_s=0` keeps none). Shared-memory
     transfers land in segments of the receiver's own pool (`kvtransfer.shm`), kept mapped between
     transfers; at most `shm_pool_bytes` of idle segments are kept (default: $PDSERVE_SHM_POOL_BYTES or 2 GiB).
     """
