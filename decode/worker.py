@@ -117,6 +117,8 @@ class DecodeWorker(WorkerBase):
         Gauge("pdserve_transfer_backlog_handoffs", "KV handoffs being received", registry=r
               ).set_function(lambda: self.receiving)
         self.m_kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes received from prefill", registry=r)
+        self.m_kv_wire = Counter("pdserve_kv_transfer_wire_bytes_total", "bytes the received KV took on the wire",
+                                 ["transport", "compression"], registry=r)
         self.m_preempted = Counter("pdserve_decode_preemptions_total", "sequences preempted for KV room",
                                    registry=r)
         self.m_recompute = Counter("pdserve_kv_recompute_total", "handoffs whose KV was lost and recomputed", registry=r)
@@ -184,7 +186,8 @@ class DecodeWorker(WorkerBase):
     async def on_start(self) -> None:
         await self.receiver.start()
         self.kv_channel = KVReceiveChannel(self.receiver, self.nc, worker_id=self.worker_id,
-                                           stall_timeout=self.transfer_timeout)
+                                           stall_timeout=self.transfer_timeout,
+                                           compressions=dict.fromkeys(("none", self.args.kv_compression)))
         await self.nc.subscribe(Subjects.decode_handoff(self.scope, self.worker_id), cb=self._on_offer)
         await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
         self.spawn(self._decode_loop())
@@ -273,11 +276,12 @@ class DecodeWorker(WorkerBase):
         try:
             try:
                 kv, stats = await self.kv_channel.wait(token, self.transfer_timeout)
+                self.m_kv_bytes.inc(stats["bytes"])  # received, whether or not there is anything to continue
+                self.m_kv_wire.labels(stats["transport"], stats["compression"]).inc(stats["wire_bytes"])
                 if (seq := await self._continuation(offer, first)) is None:
                     return
                 await self.compute(self.engine.import_kv, rid, kv, offer.prompt_token_ids)
                 del kv
-                self.m_kv_bytes.inc(stats["bytes"])
                 # handoff time as decode sees it: offer accepted -> KV in place, ready to decode
                 await self._emit(seq, kind="handoff", kv_bytes=stats["bytes"],
                                  kv_seconds=time.monotonic() - accepted_at)
@@ -574,7 +578,10 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="adaptive: the latency model and acceptance choose k each step (0 when it would not "
                         "pay); fixed: always the max (for tests and measurements)")
     p.add_argument("--draft-model", default=None)
-    p.add_argument("--kv-compression", default="none", choices=["none", "int8", "fp8"])
+    p.add_argument("--kv-compression", default=os.environ.get("PDSERVE_KV_COMPRESSION", "none"),
+                   choices=["none", "int8", "fp8"],
+                   help="KV compression this worker takes on the wire besides none; prefill offering another "
+                        "is answered with none (uncompressed)")
     p.add_argument("--cpu-weight-layouts", action=argparse.BooleanOptionalAction, default=True,
                    help="on the CPU, keep two more copies of the weights that make steps of 2-12 rows (speculative "
                         "verification, small batches) 15-40%% cheaper; --no-cpu-weight-layouts saves that memory "
