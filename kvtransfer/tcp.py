@@ -9,10 +9,10 @@ big-endian (frame version 3, which added ZCHUNK and GRANT; a version-2 shm sende
 kinds: HELLO (JSON `TransferHeader`), CHUNK (`length` bytes of one layer's wire bytes starting at
 `offset`, crc32 of the payload), TCHUNK (a CHUNK whose crc32 follows the payload as a u32 trailer; its
 header's crc field holds flags, FOLLOWS: the next frame's header comes right after the trailer, so the
-receiver reads both with the payload's end; what the TCP sender sends, see below), SCALES (float32 scales `[num_blocks * block_size, 2, kv_heads]` of a
-compressed layer: one per (token, K/V, head), see `to_token_groups`), ZCHUNK (a CHUNK of a compressed
-layer's int8/fp8 bytes, deflated: u64 uncompressed length, then raw deflate of the bytes at `offset`;
-crc32 of the frame payload as sent; see `_deflate`), GRANT (JSON from the receiver after a shm
+receiver reads both with the payload's end; what the TCP sender sends, see below), SCALES (float32
+scales `[num_blocks * block_size, 2, kv_heads]` of a compressed layer: one per (token, K/V, head), see
+`to_token_groups`), ZCHUNK (a CHUNK of a compressed layer's int8/fp8 bytes, deflated: u64 uncompressed
+length, then raw deflate of the bytes at `offset`; crc32 of the frame payload as sent; see `_deflate`), GRANT (JSON from the receiver after a shm
 HELLO: the pooled shared-memory segment to write into, see `kvtransfer.shm`), SHM (no payload: layer
 `layer` lies in the granted segment at `offset`, `length` bytes; crc32 of those bytes, or 0 when the
 header says `shm_verify=false`), END (JSON: chunk count and bytes), ACK (JSON from the receiver: ok
@@ -477,8 +477,8 @@ class _BlockingSender:
         """Send frames, each header with (the start of) its payload in one `sendmsg`. A CHUNK goes as a
         TCHUNK, checksummed piece by piece as it is sent (see the module doc); the header crc of any other
         frame is computed in a worker thread while the frame before it goes out. Payload-less headers (SHM)
-        and trailers are coalesced with the next send. `frames` is consumed as it goes: a generator's first
-        frame is on the wire before its second is made."""
+        and trailers are coalesced with the next send. `frames` may be any iterable; it is read one frame
+        ahead (to flag FOLLOWS, and to start the next header crc)."""
         small: list = []  # headers and trailers waiting to go out with the next payload (or at the end)
         self._unchecked = 1 << 62  # bytes sent since we last looked for a refusal: look at once
         frames = iter(frames)
