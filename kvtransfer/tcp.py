@@ -785,8 +785,9 @@ def _send_blocking(addr: str, header: TransferHeader, feed: queue.SimpleQueue, h
 
     A kept connection (`KEPT`) is used when there is one. If it turns out broken before the receiver said
     anything (it closed it as we took it), the transfer starts again once on a new connection: the layers
-    already taken from `feed` are replayed. A receiver that had read the HELLO answers (ACK) rather than
-    dropping the connection, so the receiver cannot have taken any of it."""
+    already taken from `feed` are replayed. That is safe: a live receiver that read the HELLO answers (an
+    ACK or a refusal) rather than dropping the connection, so it took none of it; one that died is not
+    reached again (a clear "cannot reach" error), and one restarted since refuses the token."""
     taken: list = []  # (index, layer) items taken from feed, for a replay
     sock = KEPT.take(addr)
     while True:
