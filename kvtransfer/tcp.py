@@ -1191,17 +1191,11 @@ class KVReceiver:
         succeeded the connection is kept (the ACK says for how long, `keep_s`) while at most `max_kept`
         connections are open: the sender's next transfer to this receiver skips connect and accept, and finds
         this thread already waiting for its HELLO. An idle kept connection is closed after `keep_idle_s`."""
-        first = True
-        while True:
-            if first:
-                hdr = None
-            else:
-                hdr = self._next_hello(sock)
-                if hdr is None:
-                    return  # idle past keep_idle_s, or the sender (or close()) ended it
-            first = False
-            if not self._serve_one(sock, loop, hdr):
-                return
+        hdr = None  # the first HELLO's header: _serve_one reads it
+        while self._serve_one(sock, loop, hdr):
+            hdr = self._next_hello(sock)
+            if hdr is None:
+                return  # idle past keep_idle_s, or the sender (or close()) ended it
 
     def _next_hello(self, sock: socket.socket) -> bytearray | None:
         """The next transfer's frame header on a kept connection, or None when it ends idle."""
