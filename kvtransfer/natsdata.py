@@ -56,6 +56,28 @@ async def ensure_bucket(js, bucket: str = DEFAULT_BUCKET, ttl_s: float = DEFAULT
 # --- sender -------------------------------------------------------------------------------
 
 
+# How long a sender keeps asking when NATS says nobody listens on the transfer's subject yet. The receiver
+# subscribes (and flushes) before it replies, but in a NATS cluster interest reaches the other servers
+# asynchronously, and even on one server a request that follows at once was seen to find no responders now
+# and then (tests/test_kvtransfer_channel.py). A receiver that is really gone fails the transfer after this.
+NO_RESPONDERS_RETRY_S = 2.0
+
+
+async def _first_request(nc, subject: str, data: bytes, timeout: float):
+    """`nc.request` for a transfer's first message: a "no responders" answer is asked again, every 20 ms,
+    for up to NO_RESPONDERS_RETRY_S (nothing was delivered, so nothing is duplicated)."""
+    import nats.errors
+
+    deadline = asyncio.get_running_loop().time() + min(timeout, NO_RESPONDERS_RETRY_S)
+    while True:
+        try:
+            return await nc.request(subject, data, timeout=timeout)
+        except nats.errors.NoRespondersError:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise
+            await asyncio.sleep(0.02)
+
+
 async def send_kv_nats(nc, header: TransferHeader, layers: AsyncIterator[tuple[int, torch.Tensor]], *,
                        timeout: float = 30.0, window: int = 8, chunk_bytes: int = NATS_CHUNK_BYTES) -> dict:
     """Send layers as chunked NATS requests on the transfer's subject; → the receiver's ACK.
@@ -67,11 +89,12 @@ async def send_kv_nats(nc, header: TransferHeader, layers: AsyncIterator[tuple[i
     failures: list[str] = []
     inflight: set[asyncio.Task] = set()
 
-    async def request(data: bytes) -> dict:
+    async def request(data: bytes, first: bool = False) -> dict:
         import nats.errors
 
         try:
-            raw = await nc.request(subject, data, timeout=timeout)
+            raw = await (_first_request(nc, subject, data, timeout) if first else
+                         nc.request(subject, data, timeout=timeout))
         except nats.errors.NoRespondersError:
             raise TransferError(f"nobody receives transfer {header.transfer_token} on NATS (receiver gone)") from None
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -91,7 +114,7 @@ async def send_kv_nats(nc, header: TransferHeader, layers: AsyncIterator[tuple[i
         finally:
             sem.release()
 
-    await request(_msg(HELLO, header.model_dump_json().encode()))
+    await request(_msg(HELLO, header.model_dump_json().encode()), first=True)
     sent = 0
     try:
         async for index, layer in layers:
@@ -131,8 +154,8 @@ async def send_kv_objstore(nc, header: TransferHeader, kv: KVBlocks, *, bucket: 
     del parts
     ref = json.dumps({"bucket": bucket, "name": name}).encode()
     try:
-        raw = await nc.request(Subjects.kv_data(header.transfer_token),
-                               _msg(HELLO, header.model_dump_json().encode()) + _msg(OBJECT, ref), timeout=timeout)
+        raw = await _first_request(nc, Subjects.kv_data(header.transfer_token),
+                                   _msg(HELLO, header.model_dump_json().encode()) + _msg(OBJECT, ref), timeout)
         reply = json.loads(raw.data)
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError) as e:
         reply = {"ok": False, "error": f"receiver did not fetch the object: {type(e).__name__}"}
