@@ -470,8 +470,7 @@ class _BlockingSender:
         self.sent = 0  # layers sent
 
     def _peer_spoke(self) -> bool:
-        r, _, _ = select.select([self.sock], [], [], 0)
-        return bool(r)
+        return _readable(self.sock)
 
     def send_frames(self, frames: Iterable[tuple[int, int, int, memoryview]], crcs: bool = True) -> None:
         """Send frames, each header with (the start of) its payload in one `sendmsg`. A CHUNK goes as a
@@ -768,12 +767,15 @@ class KeptConnections:
 
 
 def _readable(sock: socket.socket) -> bool:
-    """An idle connection with something to read has been closed (EOF) or broken: nothing else may come."""
+    """Whether the peer has sent something (or closed, or broke the connection), without waiting. On an idle
+    kept connection that means it is done for; mid-send, that the receiver refused. `poll`, not `select`:
+    select cannot watch a descriptor numbered 1024 or more, which a busy worker reaches."""
+    p = select.poll()
     try:
-        r, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
+        p.register(sock, select.POLLIN)
+    except (OSError, ValueError):  # closed
         return True
-    return bool(r)
+    return bool(p.poll(0))
 
 
 KEPT = KeptConnections()

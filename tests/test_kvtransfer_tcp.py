@@ -553,3 +553,24 @@ def test_a_piece_and_what_follows_it_arrive_whole_across_partial_reads():
     with pytest.raises(TransferError, match="stream truncated: got 5000 of 10240 bytes"):
         tcp._recv_exact(b, piece, then)
     b.close()
+
+
+def test_a_kept_connection_on_a_high_descriptor_is_still_used():
+    """A busy worker's sockets get descriptors past 1024, which `select` cannot watch: the liveness check
+    (and the sender's look for a refusal, the same check) must still see a live connection as live and a
+    closed one as closed."""
+    import os
+    import resource
+    import socket
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] <= 1500:
+        pytest.skip("needs more than 1500 open files")
+    a, b = socket.socketpair()
+    high = socket.socket(fileno=os.dup2(a.fileno(), 1500))
+    a.close()
+    pool = KeptConnections()
+    pool.put("a:1", high, 60)
+    assert pool.take("a:1") is high, "a live connection on fd 1500 was dropped"
+    b.close()
+    pool.put("a:1", high, 60)
+    assert pool.take("a:1") is None and high.fileno() == -1, "a closed one on fd 1500 was kept"
