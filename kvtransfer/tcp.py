@@ -12,8 +12,9 @@ header's crc field holds flags, FOLLOWS: the next frame's header comes right aft
 receiver reads both with the payload's end; what the TCP sender sends, see below), SCALES (float32
 scales `[num_blocks * block_size, 2, kv_heads]` of a compressed layer: one per (token, K/V, head), see
 `to_token_groups`), ZCHUNK (a CHUNK of a compressed layer's int8/fp8 bytes, deflated: u64 uncompressed
-length, then raw deflate of the bytes at `offset`; crc32 of the frame payload as sent; see `_deflate`), GRANT (JSON from the receiver after a shm
-HELLO: the pooled shared-memory segment to write into, see `kvtransfer.shm`), SHM (no payload: layer
+length, then raw deflate of the bytes at `offset`; crc32 of the frame payload as sent; see `_deflate`),
+GRANT (JSON from the receiver after a shm HELLO: the pooled shared-memory segment to write into, see
+`kvtransfer.shm`), SHM (no payload: layer
 `layer` lies in the granted segment at `offset`, `length` bytes; crc32 of those bytes, or 0 when the
 header says `shm_verify=false`), END (JSON: chunk count and bytes), ACK (JSON from the receiver: ok
 or an error that names what was wrong). Kind 7 is natsdata's OBJECT.
@@ -284,12 +285,12 @@ class Assembly:
     def _wire_buf(self, layer: int) -> torch.Tensor:
         if self._buf[layer] is None:
             if self.compression == "none" and self.lease is not None:
+                n = self.wire_bytes
                 if self._leased is None:  # every layer's view of the lease at once (~9 us a layer apart)
-                    n, L = self.wire_bytes, self.layout.num_layers
+                    L = self.layout.num_layers
                     whole = self.lease.view(0, L * n)
                     self._leased = whole.view(self.layout.torch_dtype).view(L, *self.shape).unbind(0)
                     self._leased_mv = tensor_bytes(whole)
-                n = self.wire_bytes
                 self._buf[layer] = self._leased[layer]
                 self._mv[layer] = self._leased_mv[layer * n:(layer + 1) * n]
                 return self._buf[layer]
@@ -1248,7 +1249,10 @@ class KVReceiver:
         _tell(loop, self._completed, exp, kv, stats, asm.bytes_on_wire)
         return keep
 
-    def _read_header(self, sock: socket.socket, max_len: int) -> tuple[int, int, int, int, int]:
+    def _read_header(self, sock: socket.socket, max_len: int, hdr=None) -> tuple[int, int, int, int, int]:
+        """The next frame's header, parsed; `hdr` when its bytes were already read (with what came before)."""
+        if hdr is not None:
+            return _parse_header(hdr, max_len)
         try:
             return _parse_header(_recv_exact(sock, bytearray(_HDR.size)), max_len)
         except _STALLED:
@@ -1265,10 +1269,7 @@ class KVReceiver:
             raise TransferError(f"connection lost: {e}") from None
 
     def _read_control(self, sock: socket.socket, want: int, hdr: bytearray | None = None) -> bytes:
-        if hdr is None:
-            kind, layer, crc, _, length = self._read_header(sock, MAX_CONTROL_FRAME)
-        else:
-            kind, layer, crc, _, length = _parse_header(hdr, MAX_CONTROL_FRAME)
+        kind, layer, crc, _, length = self._read_header(sock, MAX_CONTROL_FRAME, hdr)
         payload = bytes(self._read_into(sock, bytearray(length)))
         if zlib.crc32(payload) != crc:
             raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
@@ -1324,11 +1325,8 @@ class KVReceiver:
         trailer_only = memoryview(tail)[:_TRAILER.size]
         pending = None  # the next frame's header, read with the trailer before it
         while True:
-            if pending is None:
-                kind, layer, crc, offset, length = self._read_header(sock, MAX_CHUNK)
-            else:
-                kind, layer, crc, offset, length = _parse_header(pending, MAX_CHUNK)
-                pending = None
+            kind, layer, crc, offset, length = self._read_header(sock, MAX_CHUNK, pending)
+            pending = None
             if kind == END:
                 payload = bytes(self._read_into(sock, bytearray(length)))
                 if zlib.crc32(payload) != crc:
