@@ -137,8 +137,9 @@ def memcpy(kv: KVBlocks, out: list[torch.Tensor]) -> None:
 def _decode_side(conn, nats_kwargs: dict) -> None:
     """The decode worker's end of the channel, in a process of its own: agree to offers, receive KV.
 
-    Commands on `conn`: an offer (JSON) -> the reply (JSON), then ("done", perf_counter when `wait()`
-    returned, CPU seconds of this process since the reply, stats) or ("error", message); None ends it.
+    Commands on `conn`: an offer (JSON) -> ("reply", the reply's JSON), then ("done", perf_counter when
+    `wait()` returned, CPU seconds of this process since the reply); ("error", message) in place of
+    either when it fails. None ends it.
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
