@@ -190,12 +190,19 @@ class DecodeWorker(WorkerBase):
                                            compressions=dict.fromkeys(("none", self.args.kv_compression)))
         await self.nc.subscribe(Subjects.decode_handoff(self.scope, self.worker_id), cb=self._on_offer)
         await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
-        self.spawn(self._decode_loop())
+        self.spawn(self._decode_loop(), background=True)
+
+    def busy(self) -> bool:
+        """Sequences decoding, preempted, or whose KV is on its way. A draining decode worker still takes
+        the handoffs of requests routed to it before its `bye`."""
+        return bool(self.running) or bool(self.preempted) or self.receiving > 0 or super().busy()
 
     async def on_stop(self) -> None:
-        for s in list(self.running.values()):
-            await self._emit(s, kind="error", error=f"decode worker {self.worker_id} shutting down",
-                             error_type="unavailable", status=503)
+        """Past the drain timeout: fail every sequence still held, naming why."""
+        for s in [*self.running.values(), *self.preempted]:
+            await self._emit(s, kind="error", error=f"decode worker {self.worker_id} stopped before finishing the "
+                             f"request (drain timeout {self.args.drain_timeout:g} s)", error_type="unavailable",
+                             status=503)
         await self.receiver.close()
 
     # -- handoffs --------------------------------------------------------------------------

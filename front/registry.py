@@ -8,12 +8,19 @@ from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects, ann
 
 
 class WorkerRegistry:
-    """Workers of one deployment scope; reports from other scopes on the same NATS are ignored."""
+    """Workers of one deployment scope; reports from other scopes on the same NATS are ignored.
 
-    def __init__(self, scope: str = "default"):
+    A worker that said `bye` is draining: it is never picked for new work, yet stays alive for the
+    requests it holds (`is_alive`) for as long as its heartbeats go on. A restart under the same id
+    (a newer generation) is a new worker. `clock` (seconds, monotonic) is injectable for tests.
+    """
+
+    def __init__(self, scope: str = "default", clock=time.monotonic):
         self.scope = scope
+        self.clock = clock
         self._workers: dict[tuple[str, str], tuple[float, LoadReport]] = {}
         self._cached: dict[str, frozenset[str]] = {}  # prefill worker id -> its announced block addresses
+        self._leaving: dict[tuple[str, str], int] = {}  # (role, id) -> the generation that said bye
         self.malformed = 0
 
     async def attach(self, nc) -> None:
@@ -28,8 +35,11 @@ class WorkerRegistry:
             return
         if r.scope != self.scope:
             return
-        self._workers[(r.role, r.worker_id)] = (time.monotonic(), r)
-        if r.role == "prefill":
+        key = (r.role, r.worker_id)
+        if key in self._leaving and self._leaving[key] != r.generation:
+            del self._leaving[key]  # restarted under the same id: a new worker
+        self._workers[key] = (self.clock(), r)
+        if r.role == "prefill" and key not in self._leaving:
             self._cached[r.worker_id] = frozenset(r.cached_blocks)
 
     async def _on_bye(self, msg) -> None:
@@ -38,23 +48,29 @@ class WorkerRegistry:
         except ProtocolError:
             return
         if r.scope == self.scope:
-            self._workers.pop((r.role, r.worker_id), None)
+            self._leaving[(r.role, r.worker_id)] = r.generation
             if r.role == "prefill":
                 self._cached.pop(r.worker_id, None)
 
     def alive(self, role: str | None = None, model: str | None = None) -> list[LoadReport]:
-        now = time.monotonic()
+        """Workers that take new work: heartbeats fresh, no `bye` said."""
+        now = self.clock()
         out = []
-        for (r_role, _), (seen, rep) in list(self._workers.items()):
+        for key, (seen, rep) in list(self._workers.items()):
             if now - seen > rep.stale_after_s:
+                if key in self._leaving:  # said bye and went silent: gone for good
+                    del self._workers[key], self._leaving[key]
                 continue
-            if (role is None or r_role == role) and (model is None or rep.model == model):
+            if key in self._leaving:
+                continue
+            if (role is None or key[0] == role) and (model is None or rep.model == model):
                 out.append(rep)
         return out
 
     def is_alive(self, role: str, worker_id: str) -> bool:
+        """Whether the worker still beats (draining or not): it can still finish what it holds."""
         entry = self._workers.get((role, worker_id))
-        return entry is not None and time.monotonic() - entry[0] <= entry[1].stale_after_s
+        return entry is not None and self.clock() - entry[0] <= entry[1].stale_after_s
 
     def pick_decode(self, model: str, inflight: Mapping[str, int] | None = None,
                     inflight_bytes: Mapping[str, int] | None = None) -> LoadReport | None:

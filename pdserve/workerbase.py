@@ -13,13 +13,14 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 
 import nats
 from prometheus_client import CollectorRegistry, start_http_server
 
 from pdserve.kvtransfer.protocol import LoadReport, Subjects
-from pdserve.natsserver import NatsCredentials
+from pdserve.natsserver import NatsCredentials, close_connection
 
 log = logging.getLogger("pdserve.worker")
 
@@ -51,6 +52,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="KV tokens per block (default: $PDSERVE_KV_BLOCK_SIZE or 16)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0 = off)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the compute thread")
+    p.add_argument("--drain-timeout", type=float, default=float(env("PDSERVE_DRAIN_TIMEOUT_SECONDS", "25")),
+                   help="seconds a stopping worker (SIGTERM) keeps serving what it holds before failing the rest; "
+                        "keep it below the pod's terminationGracePeriodSeconds (default: "
+                        "$PDSERVE_DRAIN_TIMEOUT_SECONDS or 25)")
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
 
 
@@ -85,6 +90,7 @@ class WorkerBase:
         self.nc: nats.NATS | None = None
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()
 
     # -- helpers for subclasses ----------------------------------------------------------------
 
@@ -92,14 +98,19 @@ class WorkerBase:
         """Run `fn(*args)` on the compute thread (the one thread that touches the model)."""
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
-    def spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro, *, background: bool = False) -> asyncio.Task:
+        """Run `coro` as a task the worker cancels when it stops. `background`: a loop that lives as long
+        as the worker (a scheduler), as opposed to a task for a request, which counts as work held."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
+        if background:
+            self._background.add(task)
         task.add_done_callback(self._task_done)
         return task
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
+        self._background.discard(task)
         if not task.cancelled() and task.exception():
             log.error("%s task failed", self.role, exc_info=task.exception())
 
@@ -126,41 +137,74 @@ class WorkerBase:
     async def on_stop(self) -> None:
         pass
 
+    def busy(self) -> bool:
+        """Whether the worker still holds work it accepted (subclasses add their queues): any task it
+        spawned for a request that has not ended."""
+        return any(not t.done() for t in self._tasks if t not in self._background)
+
+    async def on_drain(self) -> None:
+        """Stop taking new work (the registry has been told `bye`); what is held goes on."""
+
     async def _heartbeat(self) -> None:
-        while not self._stop.is_set():
+        # beats until cancelled, draining included: the front follows the requests a draining worker holds
+        while True:
             try:
                 await self.nc.publish(Subjects.load(self.role, self.worker_id), self.load_report().encode())
             except Exception as e:  # NATS reconnecting: the next beat will go through
                 log.debug("heartbeat not sent: %s", e)
-            try:
-                await asyncio.wait_for(self._stop.wait(), HEARTBEAT_INTERVAL_S)
-            except asyncio.TimeoutError:
-                pass
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def run(self) -> None:
-        self.nc = await nats.connect(
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # first, so that a stop at any moment from here is orderly
+            loop.add_signal_handler(sig, self._stop.set)
+        connect = asyncio.ensure_future(nats.connect(
             **self.creds.connect_kwargs(), name=f"pdserve-{self.role}-{self.worker_id}",
             max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-        )
+        ))
+        stopped = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not connect.done():  # told to stop before NATS answered: nothing was taken yet
+            connect.cancel()
+            log.info("%s %s stopped before it connected to NATS", self.role, self.worker_id)
+            return
+        stopped.cancel()
+        self.nc = connect.result()
         await self.on_start()
         if self.args.metrics_port:
             start_http_server(self.args.metrics_port, registry=self.registry)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stop.set)
         hb = asyncio.create_task(self._heartbeat())
         log.info("%s %s ready: model %s (%s), NATS %s%s", self.role, self.worker_id, self.model_name,
                  self.runner.layout.model_fingerprint, self.creds.url,
                  f", data {self.data_addr()}" if self.data_addr() else "")
         await self._stop.wait()
-        await self.nc.publish(Subjects.bye(self.role, self.worker_id), self.load_report().encode())
+        # with NATS gone nothing finished here could reach a client: stop at once
+        await self._drain(loop.time() + (self.args.drain_timeout if self.nc.is_connected else 0.0))
         hb.cancel()
         await self.on_stop()
         for t in list(self._tasks):
             t.cancel()
-        await self.nc.drain()
+        await close_connection(self.nc)
         self._compute.shutdown(wait=False, cancel_futures=True)
         log.info("%s %s stopped", self.role, self.worker_id)
+
+    async def _drain(self, deadline: float) -> None:
+        """Say `bye` (routers stop sending work), stop taking work, and let what is held finish until
+        `deadline` (event-loop time); `on_stop` then fails whatever remains."""
+        try:
+            await self.nc.publish(Subjects.bye(self.role, self.worker_id), self.load_report().encode())
+            await asyncio.wait_for(self.nc.flush(), max(0.05, min(0.5, deadline - asyncio.get_running_loop().time())))
+        except Exception as e:  # NATS gone: nobody is routing to us anyway
+            log.info("bye not delivered: %s", e)
+        await self.on_drain()
+        loop = asyncio.get_running_loop()
+        if self.busy():
+            log.info("%s %s draining: finishing what it holds (at most %.1f s)", self.role, self.worker_id,
+                     max(0.0, deadline - loop.time()))
+        # Work ends on many paths (done, error, cancel, preemption, a lost transfer): a cheap check every
+        # 50 ms is simpler and surer than signalling from each of them.
+        while self.busy() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
 
 def run_worker(cls, argv: list[str], extra_args=None) -> int:
@@ -171,4 +215,19 @@ def run_worker(cls, argv: list[str], extra_args=None) -> int:
     args = p.parse_args(argv)
     setup_logging(args.log_level)
     asyncio.run(cls(args).run())
-    return 0
+    exit_now(0)
+
+
+def exit_now(status: int) -> None:
+    """End a serving process that has stopped in order: flush logs and output, then `os._exit`.
+
+    Everything it held (NATS, sockets, shared memory) was released by then; the interpreter's own
+    teardown would add seconds (a final garbage collection over torch's objects) to its stop bound.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)

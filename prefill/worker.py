@@ -192,17 +192,40 @@ class PrefillWorker(WorkerBase):
         self.kv_channel = KVSendChannel(self.nc, sender_id=self.worker_id, generation=self.generation,
                                         transports=self.args.kv_transports.split(","),
                                         compression=self.args.kv_compression, timeout=self.transfer_timeout)
-        await self.nc.subscribe(Subjects.prefill(self.scope, self.model_name), queue=PREFILL_QUEUE_GROUP,
-                                cb=self._on_request)
-        await self.nc.subscribe(Subjects.prefill_worker(self.scope, self.model_name, self.worker_id),
-                                cb=self._on_request)
-        await self.nc.subscribe(Subjects.preposition(self.scope, self.worker_id), cb=self._on_hint)
+        # the subscriptions that bring new work, which a draining worker gives up
+        self._intake = [
+            await self.nc.subscribe(Subjects.prefill(self.scope, self.model_name), queue=PREFILL_QUEUE_GROUP,
+                                    cb=self._on_request),
+            await self.nc.subscribe(Subjects.prefill_worker(self.scope, self.model_name, self.worker_id),
+                                    cb=self._on_request),
+            await self.nc.subscribe(Subjects.preposition(self.scope, self.worker_id), cb=self._on_hint),
+        ]
         await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
         if self.args.prefix_offload:
             from pdserve.kvtransfer.offload import KVPrefixStore
 
             self.prefix_store = KVPrefixStore(self.nc, self.runner.layout, ttl_s=self.args.prefix_offload_ttl)
-        self.spawn(self._scheduler())
+        self.spawn(self._scheduler(), background=True)
+
+    async def on_drain(self) -> None:
+        """Leave the queue group and the own subjects (a request sent there now goes to another worker),
+        and drop pre-positioning, which is only ever a guess about future work."""
+        for sub in self._intake:
+            try:
+                await sub.unsubscribe()
+            except Exception as e:  # NATS gone: no new work can arrive anyway
+                log.debug("unsubscribe on drain: %s", e)
+        self.hints.clear()
+
+    def busy(self) -> bool:
+        """Prompts queued or being computed, and first tokens or handoffs still on their way."""
+        return bool(self.jobs) or self.transfer_backlog > 0 or super().busy()
+
+    async def on_stop(self) -> None:
+        """Past the drain timeout: fail every prompt still queued, naming why."""
+        for job in list(self.jobs):
+            await self._finish_job(job, error=f"prefill worker {self.worker_id} stopped before computing the "
+                                              f"prompt (drain timeout {self.args.drain_timeout:g} s)", status=503)
 
     async def _on_cancel(self, msg) -> None:
         try:
