@@ -7,6 +7,10 @@ from collections.abc import Mapping
 from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects, announced, prefix_hashes
 
 
+# A worker silent this long is forgotten, `bye` included: a report after that is a new worker's.
+FORGET_AFTER_S = 60.0
+
+
 class WorkerRegistry:
     """Workers of one deployment scope; reports from other scopes on the same NATS are ignored.
 
@@ -58,8 +62,11 @@ class WorkerRegistry:
         out = []
         for key, (seen, rep) in list(self._workers.items()):
             if now - seen > rep.stale_after_s:
-                if key in self._leaving:  # said bye and went silent: gone for good
-                    del self._workers[key], self._leaving[key]
+                if now - seen > FORGET_AFTER_S:  # long gone: keep no memory of it (workers come and go)
+                    del self._workers[key]
+                    self._leaving.pop(key, None)
+                    if key[0] == "prefill":
+                        self._cached.pop(key[1], None)
                 continue
             if key in self._leaving:
                 continue

@@ -104,6 +104,7 @@ class LocalCluster:
         self.extra_env = env or {}
         self.drain_timeout = drain_timeout
         self.procs: dict[str, subprocess.Popen] = {}
+        self._log_start: dict[str, int] = {}  # child -> its log's size when it was (re)started
         self.record = ChildRecord()
         self.swept: list[str] = []  # children of an earlier, vanished supervisor that start() killed
         # its own deployment scope, so clusters sharing a NATS server never serve each other's requests
@@ -121,6 +122,7 @@ class LocalCluster:
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
         """Start `pdserve <args>` as child `name`, its output in <log_dir>/<name>.log."""
         log = open(self.log_dir / f"{name}.log", "ab")
+        self._log_start[name] = log.tell()
         try:
             with signals_held():
                 proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=self._env(), stdout=log,
@@ -168,6 +170,11 @@ class LocalCluster:
             return json.loads(r.read())
 
     def _ready(self, want_prefill: int, want_decode: int) -> bool:
+        for name in self.procs:
+            # A restarted worker's id may still be registered from its previous process for a few seconds:
+            # its own "ready" line says this process has subscribed and beats.
+            if name != "front" and f"{name} ready: " not in self._log_since_start(name):
+                return False
         try:
             with urllib.request.urlopen(self.url + "/ready", timeout=2):
                 pass  # 200: NATS connected, at least one worker of each role registered
@@ -228,18 +235,27 @@ class LocalCluster:
             if info and info.si_pid not in {p.pid for p in self.children().values()}:
                 os.waitpid(info.si_pid, 0)  # not ours (nothing else should start children here): reap it
 
+    def _log_since_start(self, name: str) -> str:
+        try:
+            with open(self.log_dir / f"{name}.log", "rb") as f:
+                f.seek(self._log_start.get(name, 0))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def tail(self, name: str, n: int = 30) -> str:
         try:
             return "\n".join((self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
 
-    def restart(self, name: str, timeout: float = 120.0) -> None:
-        """Start a stopped worker again with the arguments it had (a new generation of the same id)."""
+    def restart(self, name: str, timeout: float = 120.0, extra_args: tuple[str, ...] = ()) -> None:
+        """Start a stopped worker again with the arguments it had, then `extra_args` (which win over
+        the same flags before them): a new generation of the same id."""
         old = self.procs[name]
         if old.poll() is None:
             self.kill(name)
-        self.spawn(name, *old.args[3:])
+        self.spawn(name, *old.args[3:], *extra_args)
         self.wait_ready(timeout)
 
     def send_signal(self, name: str, sig: int) -> None:

@@ -174,6 +174,7 @@ class WorkerBase:
         if self.args.metrics_port:
             start_http_server(self.args.metrics_port, registry=self.registry)
         hb = asyncio.create_task(self._heartbeat())
+        # `pdserve up` waits for this line: this process (not an earlier one under the same id) takes work
         log.info("%s %s ready: model %s (%s), NATS %s%s", self.role, self.worker_id, self.model_name,
                  self.runner.layout.model_fingerprint, self.creds.url,
                  f", data {self.data_addr()}" if self.data_addr() else "")

@@ -1,7 +1,11 @@
-"""Test helpers for the serving path: HTTP calls to the front, the `generate` reference, bounded polling."""
+"""Test helpers for the serving path: HTTP calls to the front, the `generate` reference, bounded polling,
+and a NATS watcher for tests that act on an event."""
 from __future__ import annotations
 
+import asyncio
 import json
+import queue
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -43,3 +47,97 @@ def wait_for(fn, what: str, timeout: float, *, interval: float = 0.3, retry_on: 
             last = e
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+class NatsWatch:
+    """Messages on NATS subjects, gathered by a thread of its own while the test thread makes blocking
+    calls: a test acts the moment something happens (a worker took a request, sent its first token)
+    instead of after a guessed delay. Subscribed (and flushed to the server) before the constructor returns."""
+
+    def __init__(self, creds, *subjects: str):
+        self._messages: queue.Queue = queue.Queue()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(creds, subjects),),
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30) or self._error:
+            raise RuntimeError(f"NATS watcher did not subscribe to {subjects}: {self._error}")
+
+    async def _main(self, creds, subjects) -> None:
+        import nats
+
+        self._stop = asyncio.Event()
+        try:
+            nc = await nats.connect(**creds.connect_kwargs())
+            for subject in subjects:
+                await nc.subscribe(subject, cb=self._on_msg)
+            await nc.flush()
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        await self._stop.wait()
+        await nc.close()
+
+    async def _on_msg(self, msg) -> None:
+        self._messages.put((msg.subject, msg.data))
+
+    def wait(self, match, what: str, timeout: float):
+        """The first message (from here on) for which `match(subject, data)` returns something truthy
+        → that value. A `match` may raise on messages it cannot parse: they count as not matching."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                subject, data = self._messages.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}") from None
+            try:
+                found = match(subject, data)
+            except Exception:
+                continue
+            if found:
+                return found
+
+    def close(self) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+        self._loop.close()
+
+    def __enter__(self) -> "NatsWatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def stream_subjects() -> str:
+    """The NATS subject pattern of every request's event stream."""
+    from pdserve.kvtransfer.protocol import Subjects
+
+    return Subjects.stream("x").rsplit(".", 1)[0] + ".*"
+
+
+def decoded_by(worker_id: str):
+    """NatsWatch match on `stream_subjects()`: a token event that `worker_id` sent on a request's stream."""
+    from pdserve.kvtransfer.protocol import StreamEvent
+
+    def match(subject, data):
+        ev = StreamEvent.decode(data)
+        return ev.kind == "token" and ev.worker_id == worker_id
+    return match
+
+
+def accepted_by(worker_id: str):
+    """NatsWatch match on `_INBOX.>` (replies): `worker_id`'s acknowledgement of a prompt it took
+    (a prefill worker acknowledges a prompt before computing it)."""
+    from pdserve.kvtransfer.protocol import Ack
+
+    def match(subject, data):
+        ack = Ack.decode(data)
+        return ack.accepted and ack.worker_id == worker_id
+    return match

@@ -29,6 +29,33 @@ def runner(model_dir) -> PagedRunner:
     return PagedRunner(model_dir, num_blocks=256)
 
 
+@pytest.fixture(autouse=True)
+def _free_what_a_test_left(request):
+    """A test that fails midway leaves its sequences' blocks in the shared runner, and the tests after it
+    would fail on them: record every sequence a test starts and free those it did not."""
+    if "runner" not in request.fixturenames:
+        yield
+        return
+    runner = request.getfixturevalue("runner")
+    started = []
+    recorded = (("start", 0), ("prefill", 0), ("import_kv", 0), ("fork", 1))  # method, its new sequence's arg
+    for name, arg in recorded:
+        method = getattr(runner, name)
+
+        def recording(*a, _method=method, _arg=arg, **k):
+            started.append(a[_arg])
+            return _method(*a, **k)
+        setattr(runner, name, recording)  # on the instance, over the class's method
+    try:
+        yield
+    finally:
+        for name, _ in recorded:
+            delattr(runner, name)
+    for seq_id in dict.fromkeys(started):
+        if seq_id in runner:
+            runner.free(seq_id)
+
+
 @pytest.fixture(scope="module")
 def prompts(hf) -> list[list[int]]:
     """Four prompts of different lengths (a chat turn, plain text, a long document over many blocks, one token)."""
@@ -210,14 +237,23 @@ def test_fork_shares_the_prompt_and_copies_on_write(runner, hf, prompts, alone):
     assert_pool_empty(runner)
 
 
+def assert_close_to_scale(ours: torch.Tensor, ref: torch.Tensor, what: str, rel: float = 1e-5) -> None:
+    """Equal up to float32 rounding: the largest difference within `rel` of the reference's largest
+    magnitude. Different matmul shapes (a chunk of 64 rows or the whole prompt) sum in a different
+    order, by a different kernel on each CPU (AVX2, AVX-512), so an absolute bound holds on one CPU only."""
+    err, scale = float((ours - ref).abs().max()), float(ref.abs().max())
+    assert err <= rel * scale, f"{what}: max |diff| {err:.3g} > {rel:g} x max |value| {scale:.3g}"
+
+
 def test_chunked_prefill_equals_one_shot(runner, prompts):
     ids = prompts[2]
     assert len(ids) > 3 * 64
     one = runner.prefill("one", ids, reuse_prefix=False)
     chunked = runner.prefill("chunked", ids, chunk_size=64, reuse_prefix=False)
-    assert torch.allclose(one, chunked, atol=ATOL), (one - chunked).abs().max()
+    assert_close_to_scale(chunked, one, "last logits")
     a, b = runner.export_kv("one"), runner.export_kv("chunked")
-    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a.layers, b.layers))
+    for i, (x, y) in enumerate(zip(a.layers, b.layers)):
+        assert_close_to_scale(y, x, f"KV of layer {i}")
     runner.free("one")
     runner.free("chunked")
     assert_pool_empty(runner)

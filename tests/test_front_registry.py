@@ -10,10 +10,30 @@ from pdserve.front.registry import WorkerRegistry
 from pdserve.kvtransfer.protocol import LoadReport, Subjects
 
 
+class Clock:
+    """The registry's clock, moved by the test: staleness without waiting for it."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def until(cond, what: str, timeout: float = 10.0):
+    """Wait (bounded) until `cond()` holds: the registry has processed what was published."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
 def test_registry_sees_only_its_scope_and_forgets_the_silent(nats_server):
     async def go():
         async with await nats.connect(**nats_server.creds.connect_kwargs()) as nc:
-            reg = WorkerRegistry("ns.llama")
+            clock = Clock()
+            reg = WorkerRegistry("ns.llama", clock=clock)
             await reg.attach(nc)
 
             async def beat(scope, role, wid, **kw):
@@ -23,18 +43,16 @@ def test_registry_sees_only_its_scope_and_forgets_the_silent(nats_server):
             await beat("ns.llama", "decode", "d1", running=3, stale_after_s=0.6)
             await beat("ns.llama", "decode", "d2", running=1, stale_after_s=5)
             await beat("ns.other", "decode", "d3", running=0)  # same model, other deployment
-            await beat("ns.llama", "prefill", "p1")
             await nc.publish(Subjects.load("decode", "bad"), b"{not json")
-            await nc.flush()
-            await asyncio.sleep(0.2)
+            await beat("ns.llama", "prefill", "p1")  # published last: once seen, all before it were
+            await until(lambda: reg.alive("prefill"), "p1's report")
             first = sorted(r.worker_id for r in reg.alive("decode", "m"))
             picked = reg.pick_decode("m").worker_id
-            await asyncio.sleep(0.7)  # d1 stops beating and goes stale
+            clock.now += 0.7  # d1 stops beating and goes stale
             later = sorted(r.worker_id for r in reg.alive("decode", "m"))
             await nc.publish(Subjects.bye("prefill", "p1"), LoadReport(worker_id="p1", role="prefill", model="m",
                                                                        scope="ns.llama").encode())
-            await nc.flush()
-            await asyncio.sleep(0.2)
+            await until(lambda: not reg.alive("prefill"), "p1's bye")
             return first, picked, later, reg.alive("prefill", "m"), reg.malformed
 
     first, picked, later, prefill_after_bye, malformed = asyncio.run(go())
@@ -43,6 +61,44 @@ def test_registry_sees_only_its_scope_and_forgets_the_silent(nats_server):
     assert later == ["d2"]
     assert prefill_after_bye == []
     assert malformed == 1
+
+
+def test_a_draining_worker_is_followed_but_never_picked(nats_server):
+    """After `bye` a worker gets no new work, yet its heartbeats keep the requests it holds followed
+    (even a beat late past the staleness bound); restarted under the same id (a newer generation),
+    it is picked again."""
+    async def go():
+        async with await nats.connect(**nats_server.creds.connect_kwargs()) as nc:
+            clock = Clock()
+            reg = WorkerRegistry("s", clock=clock)
+            await reg.attach(nc)
+
+            async def send(subject_of, gen):
+                r = LoadReport(worker_id="d1", role="decode", model="m", scope="s", generation=gen)
+                await nc.publish(subject_of("decode", "d1"), r.encode())
+
+            def state(name):
+                return name, reg.pick_decode("m") is not None, reg.is_alive("decode", "d1")
+
+            seen = []
+            await send(Subjects.load, 1)
+            await until(lambda: reg.alive("decode"), "d1's report")
+            seen.append(state("beating"))
+            await send(Subjects.bye, 1)
+            await until(lambda: not reg.alive("decode"), "d1's bye")
+            seen.append(state("bye"))
+            clock.now += 4.0  # past stale_after_s (3 s) without a beat
+            seen.append(state("silent"))
+            await send(Subjects.load, 1)  # a late beat of the draining process
+            await until(lambda: reg.is_alive("decode", "d1"), "d1's late beat")
+            seen.append(state("late beat"))
+            await send(Subjects.load, 2)  # a new process under the same id
+            await until(lambda: reg.alive("decode"), "d1's restart")
+            seen.append(state("restarted"))
+            return seen
+
+    assert asyncio.run(go()) == [("beating", True, True), ("bye", False, True), ("silent", False, False),
+                                 ("late beat", False, True), ("restarted", True, True)]
 
 
 def test_routing_prefers_the_cached_prefix_balanced_against_load_and_decode_by_free_kv(nats_server):
@@ -66,8 +122,7 @@ def test_routing_prefers_the_cached_prefix_balanced_against_load_and_decode_by_f
             await beat("prefill", "cold", block_size=16, cached_blocks=chain[1:], queue_tokens=0)  # no root: no match
             await beat("decode", "full", kv_bytes_capacity=1000, kv_bytes_used=900, running=1)
             await beat("decode", "roomy", kv_bytes_capacity=1000, kv_bytes_used=200, running=5)
-            await nc.flush()
-            await asyncio.sleep(0.2)
+            await until(lambda: len(reg.alive()) == 4, "the four reports")
             warm, hit = reg.pick_prefill("m", prompt)
             # 192 cached tokens save more than the 50 queued there cost ...
             busy, _ = reg.pick_prefill("m", prompt, inflight_tokens={"warm": 400})

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nats
@@ -20,7 +20,7 @@ from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.protocol import HandoffOffer, HandoffReply, StreamEvent, Subjects
 from pdserve.local import LocalCluster
 from pdserve.sampling import SamplingParams
-from servinghelpers import post
+from servinghelpers import NatsWatch, accepted_by, decoded_by, post, stream_subjects, wait_for
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -161,17 +161,24 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error(cluster):
 
 
 def test_decode_killed_mid_request_is_an_error_not_a_truncated_200(cluster):
-    threading.Timer(2.0, cluster.kill, args=("decode-0",)).start()
-    status, out = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": "Once upon a time",
-                                                         "max_tokens": 500, "temperature": 0, "ignore_eos": True})
+    with NatsWatch(cluster.creds, stream_subjects()) as watch, ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(post, cluster.url + "/v1/completions", {
+            "model": MODEL, "prompt": "Once upon a time", "max_tokens": 500, "temperature": 0, "ignore_eos": True})
+        watch.wait(decoded_by("decode-0"), "decode-0's first token", 120)
+        cluster.kill("decode-0")  # mid-request: it has 499 tokens to go
+        status, out = reply.result()
     assert status == 502 and out["error"]["code"] == "worker_lost"
     cluster.restart("decode-0")
 
 
 def test_prefill_killed_mid_prefill_is_an_error(cluster):
-    threading.Timer(0.8, cluster.kill, args=("prefill-0",)).start()
-    t0 = time.monotonic()
-    status, out = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT * 3, "max_tokens": 4})
+    with NatsWatch(cluster.creds, "_INBOX.>") as watch, ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        reply = pool.submit(post, cluster.url + "/v1/completions",
+                            {"model": MODEL, "prompt": LONG_PROMPT * 3, "max_tokens": 4})
+        watch.wait(accepted_by("prefill-0"), "prefill-0 to accept the prompt", 60)
+        cluster.kill("prefill-0")  # mid-prefill: it acknowledges a prompt before computing it
+        status, out = reply.result()
     assert status == 502 and "prefill worker prefill-0 died" in out["error"]["message"]
     assert time.monotonic() - t0 < 20
 
@@ -179,9 +186,7 @@ def test_prefill_killed_mid_prefill_is_an_error(cluster):
 def test_no_worker_gives_503_within_a_bound(cluster):
     if cluster.procs["prefill-0"].poll() is None:
         cluster.kill("prefill-0")
-    deadline = time.monotonic() + 10
-    while cluster.health()["prefill_workers"] and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_for(lambda: not cluster.health()["prefill_workers"], "the front to forget prefill-0", 10)
     t0 = time.monotonic()
     status, out = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": "hi"})
     assert status == 503 and out["error"]["code"] == "no_worker"
