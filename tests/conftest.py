@@ -14,6 +14,14 @@ import torch
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    """Every test that needs the model or a Kubernetes API server is slow: loading the one or starting
+    the other takes seconds before its first assertion. `make test-fast` (-m "not slow") skips them."""
+    for item in items:
+        if item.get_closest_marker("model") or item.get_closest_marker("k8s"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def nats_server():
     """A real, authenticated nats-server (JetStream in memory) on a free loopback port."""
