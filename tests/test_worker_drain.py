@@ -12,7 +12,8 @@ import pytest
 from pdserve.local import LocalCluster
 from servinghelpers import NatsWatch, accepted_by, decoded_by, post, stream_subjects, wait_for
 
-pytestmark = [pytest.mark.model, pytest.mark.slow]
+# generous per-test bounds: each test runs requests of tens of tokens on a shared 2-core machine
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "SmolLM2-135M-Instruct"
 LONG_PROMPT = (Path(__file__).parent / "data" / "long_prompt.txt").read_text()
 DRAIN_S = 120.0  # long enough for any request here: these workers finish what they hold
@@ -34,7 +35,7 @@ def completion(cluster, prompt, n: int) -> tuple[int, dict]:
 
 
 def test_draining_decode_finishes_its_request_and_takes_no_new_one(cluster):
-    prompt, n = "Count from one to one thousand: one, two,", 160
+    prompt, n = "Count from one to one thousand: one, two,", 64
     status, expected = completion(cluster, prompt, n)
     assert status == 200, expected
     with NatsWatch(cluster.creds, stream_subjects()) as watch, ThreadPoolExecutor(1) as pool:
