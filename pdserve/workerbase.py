@@ -3,6 +3,14 @@
 A worker is an asyncio process: networking (NATS, the KV data port) runs on the event loop,
 model forwards run on one dedicated compute thread, so heartbeats keep flowing while a long
 prompt is being prefilled.
+
+Stopping (SIGTERM or SIGINT, from the first instruction of `run`): the worker says `bye` (routers
+stop sending it work), stops taking work, finishes what it holds for at most `--drain-timeout`
+seconds (not at all when NATS is gone: nothing it finished could reach a client), fails what
+remains with an error naming the drain timeout, closes NATS within about a second whatever the
+server's state, and exits. So a worker is gone within its drain timeout plus about a second, most
+of it the kernel freeing the model's memory. A signal before `run` (while the model loads) ends
+the process at once: it holds nothing yet.
 """
 from __future__ import annotations
 

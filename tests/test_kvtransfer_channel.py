@@ -249,7 +249,10 @@ def test_stale_generation_is_refused_and_recorded(nats_server, transport):
             results = await asyncio.gather(p.send.send(reply, stale, kv), p.recv.wait(reply.transfer_token, 10),
                                            return_exceptions=True)
             await nc.flush()
-            await asyncio.sleep(0.2)  # let the failure records come back to our subscription
+            for _ in range(500):  # both sides' failure records, back through our subscription (bounded)
+                if {r.side for r in records} == {"sender", "receiver"}:
+                    break
+                await asyncio.sleep(0.01)
             assert not p.rx._expected
         await sub.unsubscribe()
         await nc.close()

@@ -480,7 +480,10 @@ def test_a_kept_connection_the_receiver_closed_is_replaced(monkeypatch, caplog, 
     async def go():
         rx = await KVReceiver(LAYOUT, keep_idle_s=0.2).start()
         await _transfer(rx, kv, "r1", stream_delay)
-        await asyncio.sleep(0.5)
+        for _ in range(500):  # past keep_idle_s the receiver closes the idle connection (bounded wait)
+            if rx.active == 0:
+                break
+            await asyncio.sleep(0.02)
         assert rx.active == 0, "the receiver closed the idle connection"
         await _transfer(rx, kv, "r2", stream_delay)
         await rx.close()
