@@ -1,5 +1,7 @@
 # pdserve: the two commands a newcomer needs are `make up` and `make test`.
-# Every target runs in the project's virtual environment, which scripts/setup.sh creates.
+# Every target runs in the project's virtual environment, which scripts/setup.sh creates; python -P
+# keeps the working directory off sys.path, where the checkout's operator/ folder would shadow the
+# standard library's `operator`.
 VENV ?= .venv
 export PDSERVE_VENV := $(VENV)
 PY := $(VENV)/bin/python
@@ -17,15 +19,15 @@ setup-test:
 	bash scripts/setup.sh test
 
 up: setup
-	$(PY) -m pdserve.cli up --demo $(UP_ARGS)
+	$(PY) -P -m pdserve.cli up --demo $(UP_ARGS)
 
 test: setup-test
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -P -m pytest $(PYTEST_ARGS)
 
 # the inner loop: every test that takes no more than a few seconds (no model, no Kubernetes)
 test-fast:
 	PDSERVE_SKIP_K8S=1 bash scripts/setup.sh test
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -P -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) -m pdserve.cli bench
+	$(PY) -P -m pdserve.cli bench

@@ -37,6 +37,9 @@ from pdserve.children import STOP_SIGNALS, ChildRecord, die_with_parent, signals
 from pdserve.natsserver import EmbeddedNats, NatsCredentials, free_port
 
 HOST = "127.0.0.1"
+# -P: the working directory never goes on sys.path, where a checkout's top-level operator/ folder
+# would shadow the standard library's `operator`.
+CHILD_PYTHON = (sys.executable, "-P", "-m", "pdserve.cli")
 # Past the workers' drain timeout, the seconds a stopping child gets to close NATS and exit before SIGKILL.
 STOP_GRACE_S = 1.0
 # The drain timeout `up` gives its workers: with STOP_GRACE_S, every child is gone 2 s after a stop.
@@ -125,7 +128,7 @@ class LocalCluster:
         self._log_start[name] = log.tell()
         try:
             with signals_held():
-                proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=self._env(), stdout=log,
+                proc = subprocess.Popen([*CHILD_PYTHON, *args], env=self._env(), stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True,
                                         preexec_fn=die_with_parent())
                 self.procs[name] = proc
@@ -255,7 +258,7 @@ class LocalCluster:
         old = self.procs[name]
         if old.poll() is None:
             self.kill(name)
-        self.spawn(name, *old.args[3:], *extra_args)
+        self.spawn(name, *old.args[len(CHILD_PYTHON):], *extra_args)
         self.wait_ready(timeout)
 
     def send_signal(self, name: str, sig: int) -> None:

