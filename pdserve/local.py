@@ -371,7 +371,9 @@ def main(argv: list[str]) -> int:
     try:
         args = _parser().parse_args(argv)
         cluster = LocalCluster(args.model, args.prefill_workers, args.decode_workers, port=args.port,
-                               worker_args=worker_args(args))
+                               worker_args=worker_args(args),
+                               # the front sizes its KV estimates for routing by the workers' dtype
+                               env={"PDSERVE_KV_DTYPE": args.dtype} if args.dtype else None)
         print(f"pdserve up: starting (logs in {cluster.log_dir}) ...", flush=True)
         cluster.start()
         return _serve(cluster, args)

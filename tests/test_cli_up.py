@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -310,3 +311,39 @@ def test_a_child_that_dies_later_ends_up_at_once_with_its_name(model_dir, tag):
     assert rc == 1
     assert "decode-0 was killed by signal 9" in up.output, up.output
     assert_all_gone(tag, t0, [port], up.output, seen)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_models_is_not_listed_before_the_front_is_ready(nats_server, model_dir):
+    """A client that lists the models and then asks must be served: /v1/models answers 503 until the
+    front is ready (workers registered), never 200 before /ready does."""
+    import urllib.error
+    import urllib.request
+
+    cluster = LocalCluster(str(model_dir), nats=nats_server.creds)
+
+    def status(path: str) -> int | None:
+        try:
+            with urllib.request.urlopen(cluster.url + path, timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return None  # not listening yet
+
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(cluster.start, LOAD_BOUND_S)
+        try:
+            answers = []
+            while not answers or answers[-1][0] != 200:
+                assert not started.done() or started.exception() is None, started.exception()
+                models = status("/v1/models")
+                if models is not None:
+                    answers.append((models, status("/ready")))
+                time.sleep(0.05)  # a polling interval: each answer is checked, none is waited for
+            assert (503, 503) in answers, f"never saw the front before it was ready: {answers}"
+            assert answers[-1] == (200, 200), answers
+        finally:
+            started.result()
+            cluster.stop()
