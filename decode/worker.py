@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from pdserve.decode.drafters import SamplingSpec, make_drafter
+from pdserve.decode.drafters import make_drafter
 from pdserve.engine.blocks import OutOfBlocks
 from pdserve.decode.speculation import SpanTracker, SpeculationController
 from pdserve.kernels.spec_verify import verify, verify_greedy
 
-from pdserve.kvtransfer.layout import LayoutMismatch
+from pdserve.basetypes import LayoutMismatch
 from pdserve.kvtransfer.protocol import (
     Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
 )
@@ -374,8 +374,7 @@ class DecodeWorker(WorkerBase):
         if not s.max_k or room <= 0:
             self.m_spec_k.observe(0)
             return None
-        sp = s.offer.sampling
-        sampling = SamplingSpec(sp.temperature, sp.top_k, sp.top_p)
+        sampling = s.offer.sampling
         max_k = min(s.max_k, room)
         confidence = getattr(self.drafter, "confidence", None)
         if confidence is not None and self.spec_k_policy == "adaptive":

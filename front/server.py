@@ -34,7 +34,7 @@ from pdserve.kvtransfer.protocol import (
     Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects,
 )
 from pdserve.natsserver import NatsCredentials
-from pdserve.sampling import SamplingParams
+from pdserve.basetypes import SamplingParams
 from pdserve.workerbase import deployment_scope
 
 log = logging.getLogger("pdserve.front")

@@ -26,7 +26,8 @@ from typing import AsyncIterator, Iterable
 
 import torch
 
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout
+from pdserve.basetypes import KVLayout
+from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.protocol import HandoffOffer, HandoffReply, Subjects, TransferFailed
 from pdserve.kvtransfer.tcp import (
     COMPRESSIONS, KVReceiver, TransferError, TransferHeader, _aiter, host_id, send_kv, send_kv_stream,

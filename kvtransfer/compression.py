@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout
+from pdserve.basetypes import KVLayout
+from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.tcp import Assembly, TransferHeader, layer_wire_pieces
 
 

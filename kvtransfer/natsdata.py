@@ -27,7 +27,8 @@ from pdserve.kvtransfer.tcp import (
     END, HELLO, MAX_CHUNK, Assembly, KVReceiver, TransferError, TransferHeader, _HDR, _crc, _frame, _parse_header,
     layer_wire_pieces,
 )
-from pdserve.kvtransfer.layout import KVBlocks, LayoutMismatch
+from pdserve.basetypes import LayoutMismatch
+from pdserve.kvtransfer.layout import KVBlocks
 
 log = logging.getLogger("pdserve.kvtransfer.nats")
 

@@ -6,7 +6,7 @@ instead of recomputing. Objects live in a memory-storage bucket with a TTL, so n
 its usefulness even when the worker that stored it is gone.
 
 Addressing (as vLLM's prefix cache and LMCache do, and as the workers' own prefix caches do —
-`protocol.prefix_hashes`): block i of a prompt (tokens `[i*bs, (i+1)*bs)`) is named by
+`basetypes.prefix_hashes`): block i of a prompt (tokens `[i*bs, (i+1)*bs)`) is named by
 `h_i = sha256(h_{i-1} || tokens of block i)`, so equal prefixes
 share names and one block can serve every prompt that starts the same way. Only full blocks are
 stored. One object per block holds that block for every layer, as `kvtransfer.tcp` frames: a
@@ -22,8 +22,8 @@ import logging
 
 import torch
 
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout
-from pdserve.kvtransfer.protocol import prefix_hashes
+from pdserve.basetypes import KVLayout, prefix_hashes
+from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.natsdata import _split, ensure_bucket
 from pdserve.kvtransfer.tcp import CHUNK, HELLO, MAX_CHUNK, TransferError, _crc, _frame, tensor_bytes
 
@@ -39,7 +39,7 @@ class PrefixCorrupt(TransferError):
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[str]:
     """Object names of the full blocks of `token_ids`: element i names the prefix of (i+1) blocks, by the
-    hash chain the prefix caches and the router use (`protocol.prefix_hashes`)."""
+    hash chain the prefix caches and the router use (`basetypes.prefix_hashes`)."""
     return [h.hex()[:40] for h in prefix_hashes(token_ids, block_size)]
 
 

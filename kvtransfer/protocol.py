@@ -35,12 +35,12 @@ tier). See `kvtransfer.channel`.
 """
 from __future__ import annotations
 
-import array
-import hashlib
 import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.basetypes import KVLayout, SamplingParams
 
 PROTOCOL_VERSION = 1
 PREFIX = f"pdserve.v{PROTOCOL_VERSION}"
@@ -111,40 +111,6 @@ class Subjects:
     KV_FAILED_ALL = f"{PREFIX}.kv.failed.*"
 
 
-# --- prefix addresses ------------------------------------------------------------------------
-# A full KV block is addressed by a hash chain over token ids, h_i = sha256(h_{i-1} || tokens of
-# block i as int64), so a block matches only if everything before it matches too. Workers cache
-# blocks under these addresses and announce them (truncated to ANNOUNCED_HASH_BYTES) in their
-# LoadReports; the router computes the same chain for a prompt to find who holds its longest prefix.
-
-ROOT_HASH = b""
-ANNOUNCED_HASH_BYTES = 8
-
-
-def block_hash(parent: bytes, tokens) -> bytes:
-    """The hash-chain address of a full block: sha256(parent hash || token ids as little-endian int64)."""
-    a = array.array("q", tokens)
-    if array.array("q", [1]).tobytes()[0] != 1:  # big-endian host: hash the same bytes as everyone else
-        a.byteswap()
-    h = hashlib.sha256(parent)
-    h.update(a.tobytes())
-    return h.digest()
-
-
-def prefix_hashes(token_ids, block_size: int) -> list[bytes]:
-    """The hash chain of every full block of `token_ids`."""
-    out, h = [], ROOT_HASH
-    for i in range(len(token_ids) // block_size):
-        h = block_hash(h, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(h)
-    return out
-
-
-def announced(h: bytes) -> str:
-    """How a block address appears in a LoadReport."""
-    return h[:ANNOUNCED_HASH_BYTES].hex()
-
-
 class Message(BaseModel):
     """Base of every control message: versioned, strict about unknown fields."""
 
@@ -201,7 +167,7 @@ class LoadReport(Message):
     spec_acceptance_rate: float = 0.0
     stale_after_s: float = 3.0
     # Prefill: prompt tokens accepted but not yet computed (the router's load signal), and the
-    # prefix cache's contents — `announced()` addresses of cached full blocks of `block_size`
+    # prefix cache's contents — `basetypes.announced()` addresses of cached full blocks of `block_size`
     # tokens, most recently used first, at most a few thousand.
     queue_tokens: int = 0
     block_size: int = 0
@@ -215,9 +181,6 @@ class LoadReport(Message):
 
 
 # --- the request path -------------------------------------------------------------------------
-
-from pdserve.kvtransfer.layout import KVLayout  # noqa: E402
-from pdserve.sampling import SamplingParams  # noqa: E402
 
 FailurePolicy = Literal["recompute", "fail"]
 

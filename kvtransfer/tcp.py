@@ -54,7 +54,8 @@ from typing import AsyncIterator, Callable, Iterable, Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
+from pdserve.basetypes import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.shm import (
     POOL_PREFIX, SENDER_MAPS, Lease, ShmPool, _Mapping, reap_if_orphaned, sweep_orphans,
 )

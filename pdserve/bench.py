@@ -114,7 +114,7 @@ def _inprocess(model_dir: Path, prompts: dict[str, list[int]], n: int, repeats: 
     from transformers import AutoModelForCausalLM
 
     from pdserve.engine.runner import PagedRunner
-    from pdserve.runtime import DEFAULT_BLOCK_SIZE
+    from pdserve.basetypes import DEFAULT_BLOCK_SIZE
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     configs = {}

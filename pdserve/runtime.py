@@ -14,12 +14,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout, dtype_name
+from pdserve.basetypes import DEFAULT_BLOCK_SIZE, KVLayout, dtype_name
+from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.modelstore import model_fingerprint
 
 log = logging.getLogger("pdserve.runtime")
-
-DEFAULT_BLOCK_SIZE = 16
 
 
 def crop_cache(cache: DynamicCache, length: int) -> None:

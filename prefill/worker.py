@@ -49,11 +49,12 @@ from dataclasses import dataclass
 import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
 
+from pdserve.basetypes import announced, prefix_hashes
 from pdserve.engine.blocks import OutOfBlocks
 from pdserve.kvtransfer.channel import KVSendChannel
 from pdserve.kvtransfer.protocol import (
     PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, PrepositionHint, ProtocolError,
-    StreamEvent, Subjects, Usage, announced, prefix_hashes,
+    StreamEvent, Subjects, Usage,
 )
 from pdserve.kvtransfer.tcp import TransferError
 from pdserve.sampling import TextStream, sample_next

@@ -20,7 +20,8 @@ import torch
 
 from kvhelpers import random_kv
 from pdserve.kvtransfer.channel import KVReceiveChannel, KVSendChannel
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
+from pdserve.basetypes import KVLayout, LayoutMismatch, SamplingParams
+from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.natsdata import DEFAULT_BUCKET, _msg
 from pdserve.kvtransfer.protocol import HandoffOffer, Subjects, TransferFailed
 from pdserve.kvtransfer.shm import owned_elsewhere
@@ -28,7 +29,6 @@ from pdserve.kvtransfer.tcp import (
     CHUNK, END, HELLO, SHM_DIR, SHM_PREFIX, KVReceiver, TransferError, TransferHeader, from_token_groups, host_id,
     layer_wire_pieces, shm_path, to_token_groups,
 )
-from pdserve.sampling import SamplingParams
 
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=4, kv_heads=2, head_dim=16, dtype="bfloat16", block_size=8)
 ALL = ["tcp", "shm", "nats", "objstore"]
@@ -371,7 +371,7 @@ def test_sender_killed_mid_transfer(nats_server, transport):
 _CHILD_RECEIVER = textwrap.dedent("""
     import asyncio, os, sys, nats
     from pdserve.kvtransfer.channel import KVReceiveChannel
-    from pdserve.kvtransfer.layout import KVLayout
+    from pdserve.basetypes import KVLayout
     from pdserve.kvtransfer.protocol import HandoffOffer
     from pdserve.kvtransfer.tcp import KVReceiver
     offer = HandoffOffer.model_validate_json(sys.argv[1])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvhelpers import random_kv
-from pdserve.kvtransfer.layout import KVLayout
+from pdserve.basetypes import KVLayout
 from pdserve.kvtransfer.shm import POOL_PREFIX, SENDER_MAPS, SenderMaps, ShmPool, owned_elsewhere, sweep_orphans
 from pdserve.kvtransfer.tcp import SHM_DIR, KVReceiver, TransferError, TransferHeader, send_kv, sweep_stale_segments
 

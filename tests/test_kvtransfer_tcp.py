@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvhelpers import random_kv
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
+from pdserve.basetypes import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer import tcp
 from pdserve.kvtransfer.tcp import (
     CHUNK, END, FOLLOWS, HELLO, KEPT, PIECE_BYTES, TCHUNK, ZCHUNK, KeptConnections, KVReceiver, TransferError,
