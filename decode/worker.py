@@ -25,7 +25,7 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.decode.drafters import make_drafter
-from pdserve.engine.blocks import OutOfBlocks
+from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
 from pdserve.decode.speculation import SpanTracker, SpeculationController
 from pdserve.kernels.spec_verify import verify, verify_greedy
 
@@ -99,7 +99,12 @@ class DecodeWorker(WorkerBase):
         self._recent_itl: deque[float] = deque(maxlen=64)
         self.spec_method = args.spec_method
         self.spec_max_k = args.spec_max_k if args.spec_method != "none" else 0
-        self.engine = self._make_engine(args)
+        try:
+            # no prefix cache: decode never looks prompts up, and cached blocks would fragment the free space
+            self.engine = create_engine(self.runner, kind=args.engine, kv_capacity_bytes=args.kv_capacity_bytes,
+                                        prefix_cache=False, small_step_weights=args.cpu_weight_layouts)
+        except EngineUnavailable as e:
+            raise SystemExit(str(e)) from None
         self.max_batch = args.max_batch
         self.preempted: deque[Sequence] = deque()
         self.spec_k_policy = args.spec_k_policy
@@ -136,25 +141,6 @@ class DecodeWorker(WorkerBase):
                                      registry=r, buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
         self.m_spec_k = Histogram("pdserve_spec_chosen_k", "speculation length chosen per step", registry=r,
                                   buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
-
-    def _make_engine(self, args):
-        """The paged engine (block pool, batched steps) for Llama-family models; a dense
-        per-sequence engine for anything else."""
-        if args.engine in ("auto", "paged") and self.runner.config.model_type == "llama":
-            from pdserve.engine.runner import PagedRunner
-
-            blocks = max(16, args.kv_capacity_bytes // (self.runner.layout.block_bytes * self.runner.layout.num_layers))
-            # no prefix cache: decode never looks prompts up, and cached blocks would fragment the free space
-            engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
-                                 block_size=self.runner.layout.block_size, num_blocks=blocks, prefix_cache=False,
-                                 small_step_weights=args.cpu_weight_layouts)
-            self.runner.layout.check_matches(engine.layout, what="paged engine")
-            return engine
-        if args.engine == "paged":
-            raise SystemExit(f"--engine paged runs Llama-family models; {self.runner.config.model_type} is not one")
-        from pdserve.runtime import DenseEngine
-
-        return DenseEngine(self.runner, args.kv_capacity_bytes)
 
     def _make_drafter(self, args):
         if args.spec_method == "draft":

@@ -50,7 +50,7 @@ import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.basetypes import announced, prefix_hashes
-from pdserve.engine.blocks import OutOfBlocks
+from pdserve.engine import OutOfBlocks, create_engine
 from pdserve.kvtransfer.channel import KVSendChannel
 from pdserve.kvtransfer.protocol import (
     PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, PrepositionHint, ProtocolError,
@@ -106,7 +106,7 @@ class PrefillWorker(WorkerBase):
         self.transfer_timeout = args.transfer_timeout
         self.chunk_size = max(1, args.chunk_size)
         self.max_batch_tokens = max(self.chunk_size, args.max_batch_tokens)
-        self.engine = self._make_engine(args)
+        self.engine = create_engine(self.runner, kv_capacity_bytes=args.kv_capacity_bytes, small_step_weights=False)
         self.jobs: deque[Job] = deque()  # requests, oldest first
         self.hints: OrderedDict[str, Job] = OrderedDict()  # pre-positioning, newest last
         self.hint_job: Job | None = None  # the hint being computed (at most one at a time)
@@ -156,22 +156,6 @@ class PrefillWorker(WorkerBase):
                                   "during the prompt's last forward", registry=r)
         self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV handoff time (offer to ACK)", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
-
-    def _make_engine(self, args):
-        """The paged engine (block pool with prefix cache, batched chunks) for Llama-family models;
-        the dense per-sequence engine (no prefix cache) for anything else."""
-        layout = self.runner.layout
-        if self.runner.config.model_type == "llama":
-            from pdserve.engine.runner import PagedRunner
-
-            blocks = max(16, args.kv_capacity_bytes // (layout.block_bytes * layout.num_layers))
-            engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
-                                 block_size=layout.block_size, num_blocks=blocks, small_step_weights=False)
-            layout.check_matches(engine.layout, what="paged engine")
-            return engine
-        from pdserve.runtime import DenseEngine
-
-        return DenseEngine(self.runner, args.kv_capacity_bytes)
 
     def load_fields(self) -> dict:
         mean = lambda d: sum(d) / len(d) if d else 0.0  # noqa: E731
