@@ -34,7 +34,8 @@ from pdserve.kvtransfer.protocol import (
     Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
 )
 from pdserve.kvtransfer.channel import KVReceiveChannel
-from pdserve.kvtransfer.tcp import KVReceiver, TransferError
+from pdserve.kvtransfer.frames import TransferError
+from pdserve.kvtransfer.tcp_server import KVReceiver
 from pdserve.sampling import TextStream, verification_randomness
 from pdserve.workerbase import WorkerBase, run_worker
 

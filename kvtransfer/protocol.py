@@ -2,8 +2,8 @@
 
 NATS carries control, never bulk KV bytes: requests to prefill, handoff offers and replies,
 token streams, cancellations, failure records, and worker load reports (which double as
-heartbeats and as the registry). KV bytes travel a direct data path (see `kvtransfer.tcp`)
-whose frames are described in `kvtransfer.frames`.
+heartbeats and as the registry). KV bytes travel a direct data path (see `kvtransfer.tcp_send`
+and `kvtransfer.tcp_server`) whose frames are described in `kvtransfer.frames`.
 
 Versioning: every subject starts with `pdserve.v1`; every message carries `v` (the protocol
 version). A receiver refuses a message of a version it does not speak with an explicit error.
@@ -236,7 +236,7 @@ class HandoffOffer(Message):
     spec: dict | None = None
     # KV transport negotiation (all optional: an offer without them means direct TCP, uncompressed).
     transports: list[str] = Field(default_factory=lambda: ["tcp"])  # sender's preference order
-    host_id: str | None = None  # equal on both sides ⇒ they share memory (see kvtransfer.tcp.host_id)
+    host_id: str | None = None  # equal on both sides ⇒ they share memory (see kvtransfer.shm.host_id)
     compression: Literal["none", "int8", "fp8"] = "none"  # what the sender would like on the wire
     # Layer streaming: the offer is made before the prompt's last forward, so the KV can flow layer by
     # layer while it is computed; the first token is not known yet (generated_token_ids is empty) and

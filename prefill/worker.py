@@ -56,7 +56,7 @@ from pdserve.kvtransfer.protocol import (
     PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, PrepositionHint, ProtocolError,
     StreamEvent, Subjects, Usage,
 )
-from pdserve.kvtransfer.tcp import TransferError
+from pdserve.kvtransfer.frames import TransferError
 from pdserve.sampling import TextStream, sample_next
 from pdserve.workerbase import WorkerBase, run_worker
 
