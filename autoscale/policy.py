@@ -135,8 +135,7 @@ def ratio_bounds(prefill_desired: int, decode_desired: int, min_ratio: float, ma
 
     The ratio is restored by raising the pool that fell behind, never by cutting the one that
     asked for capacity: prefill_min = ceil(min_ratio × decode_desired), decode_min =
-    ceil(prefill_desired ÷ max_ratio). The operator writes these into the HPAs' `minReplicas`
-    (never below the user's own minimum).
+    ceil(prefill_desired ÷ max_ratio). `paired_replicas` raises the pools to these.
     """
     if not 0 < min_ratio <= max_ratio:
         raise ValueError(f"need 0 < min_ratio <= max_ratio, got {min_ratio}, {max_ratio}")

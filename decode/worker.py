@@ -122,7 +122,8 @@ class DecodeWorker(WorkerBase):
               ).set_function(lambda: self.receiving + len(self.preempted))
         Gauge("pdserve_transfer_backlog_handoffs", "KV handoffs being received", registry=r
               ).set_function(lambda: self.receiving)
-        self.m_kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes received from prefill", registry=r)
+        self.m_kv_bytes = Counter("pdserve_kv_transfer_received_bytes_total",
+                                  "KV bytes received from prefill (uncompressed)", registry=r)
         self.m_kv_wire = Counter("pdserve_kv_transfer_wire_bytes_total", "bytes the received KV took on the wire",
                                  ["transport", "compression"], registry=r)
         self.m_preempted = Counter("pdserve_decode_preemptions_total", "sequences preempted for KV room",

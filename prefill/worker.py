@@ -151,7 +151,8 @@ class PrefillWorker(WorkerBase):
               ).set_function(lambda: self.transfer_backlog)
         Gauge("pdserve_transfer_backlog_bytes", "KV bytes waiting or in flight", registry=r
               ).set_function(lambda: self.transfer_backlog_bytes)
-        self.m_kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes sent to decode", registry=r)
+        self.m_kv_bytes = Counter("pdserve_kv_transfer_sent_bytes_total", "KV bytes sent to decode (uncompressed)",
+                                  registry=r)
         self.m_streamed = Counter("pdserve_kv_layer_streamed_total", "handoffs whose KV left layer by layer "
                                   "during the prompt's last forward", registry=r)
         self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV handoff time (offer to ACK)", registry=r,
