@@ -58,8 +58,8 @@ async def ensure_bucket(js, bucket: str = DEFAULT_BUCKET, ttl_s: float = DEFAULT
 
 # How long a sender keeps asking when NATS says nobody listens on the transfer's subject yet. The receiver
 # subscribes (and flushes) before it replies, but in a NATS cluster interest reaches the other servers
-# asynchronously, and even on one server a request that follows at once was seen to find no responders now
-# and then (tests/test_kvtransfer_channel.py). A receiver that is really gone fails the transfer after this.
+# asynchronously, and even on one server a request that follows at once can find no responders now and
+# then. A receiver that is really gone fails the transfer after this.
 NO_RESPONDERS_RETRY_S = 2.0
 
 
