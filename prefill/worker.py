@@ -1,5 +1,9 @@
 """The prefill worker: takes prompts from NATS, runs them in batched chunks, hands their KV to decode.
 
+(Longer than our ~600-line norm: the scheduler, pre-positioning, layer streaming and the handoff
+all act on the same jobs, engine and compute thread between two steps; split apart, each piece
+would take the worker's whole state as an argument.)
+
 Requests arrive on the deployment's queue group (any worker) or on this worker's own subject
 (the front routed them here because this worker's prefix cache holds the longest part of the
 prompt). Each is acknowledged at once and joins the scheduler's queue.
