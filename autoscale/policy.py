@@ -139,7 +139,8 @@ def ratio_bounds(prefill_desired: int, decode_desired: int, min_ratio: float, ma
     """
     if not 0 < min_ratio <= max_ratio:
         raise ValueError(f"need 0 < min_ratio <= max_ratio, got {min_ratio}, {max_ratio}")
-    return prefill_range(decode_desired, min_ratio, max_ratio)[0], decode_range(prefill_desired, min_ratio, max_ratio)[0]
+    prefill_min = prefill_range(decode_desired, min_ratio, max_ratio)[0]
+    return prefill_min, decode_range(prefill_desired, min_ratio, max_ratio)[0]
 
 
 def paired_replicas(

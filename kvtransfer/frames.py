@@ -164,7 +164,7 @@ def inflated_length(payload, layer: int) -> int:
 
 
 def inflate(payload, raw: int, layer: int) -> bytes:
-    """The `raw` bytes a ZCHUNK payload (crc already checked) deflated; TransferError if it does not hold exactly them."""
+    """The `raw` bytes a ZCHUNK payload (crc already checked) deflated; TransferError unless it holds exactly them."""
     d = _zlib.decompressobj(-15)
     try:
         out = d.decompress(memoryview(payload)[ZLEN.size:], raw)
@@ -177,7 +177,7 @@ def inflate(payload, raw: int, layer: int) -> bytes:
 
 
 def split_frames(data: bytes | memoryview, max_len: int):
-    """Frames in a byte string (a NATS message, a stored object): yields (kind, layer, crc, offset, payload memoryview)."""
+    """Frames in a byte string (a NATS message, a stored object): yields (kind, layer, crc, offset, payload view)."""
     mv = memoryview(data)
     pos = 0
     while pos < len(mv):

@@ -54,7 +54,7 @@ class Assembly:
         self.complete = [False] * L
         self.bytes_on_wire = 0
         self.t0 = time.monotonic()
-        self.lease: Lease | None = None  # pooled memory to land uncompressed layers in (see tcp_server.KVReceiver._pooled)
+        self.lease: Lease | None = None  # pooled memory for uncompressed layers (tcp_server.KVReceiver._pooled)
         self._leased: tuple[torch.Tensor, ...] | None = None  # each layer's view of the lease, and its bytes
         self._leased_mv: memoryview | None = None
 
