@@ -24,17 +24,16 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from pdserve.decode.drafters import make_drafter
-from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
-from pdserve.decode.speculation import SpanTracker, SpeculationController
-from pdserve.kernels.spec_verify import verify, verify_greedy
-
 from pdserve.basetypes import LayoutMismatch
+from pdserve.decode.drafters import make_drafter
+from pdserve.decode.speculation import SpanTracker, SpeculationController
+from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
+from pdserve.kernels.spec_verify import verify, verify_greedy
+from pdserve.kvtransfer.channel import KVReceiveChannel
+from pdserve.kvtransfer.frames import TransferError
 from pdserve.kvtransfer.protocol import (
     Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
 )
-from pdserve.kvtransfer.channel import KVReceiveChannel
-from pdserve.kvtransfer.frames import TransferError
 from pdserve.kvtransfer.tcp_server import KVReceiver
 from pdserve.sampling import TextStream, verification_randomness
 from pdserve.workerbase import WorkerBase, run_worker

@@ -29,12 +29,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
+from pdserve.basetypes import SamplingParams
 from pdserve.front.openai_schema import ChatCompletionRequest, CompletionRequest
 from pdserve.kvtransfer.protocol import (
     Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects,
 )
 from pdserve.natsserver import NatsCredentials
-from pdserve.basetypes import SamplingParams
 from pdserve.workerbase import deployment_scope
 
 log = logging.getLogger("pdserve.front")

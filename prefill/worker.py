@@ -56,11 +56,11 @@ from prometheus_client import Counter, Gauge, Histogram
 from pdserve.basetypes import announced, prefix_hashes
 from pdserve.engine import OutOfBlocks, create_engine
 from pdserve.kvtransfer.channel import KVSendChannel
+from pdserve.kvtransfer.frames import TransferError
 from pdserve.kvtransfer.protocol import (
     PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, PrepositionHint, ProtocolError,
     StreamEvent, Subjects, Usage,
 )
-from pdserve.kvtransfer.frames import TransferError
 from pdserve.sampling import TextStream, sample_next
 from pdserve.workerbase import WorkerBase, run_worker
 
