@@ -103,7 +103,16 @@ def free_port() -> int:
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
-    """Wait until GET `url` answers 200, or fail with the server's log tail when it exits or times out."""
+    """Wait until GET `url` answers 200, or stop the server and fail with its log tail when it exits or
+    times out."""
+    try:
+        _wait_http(url, proc, timeout, log)
+    except BaseException:
+        stop(proc)
+        raise
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -148,7 +157,7 @@ def start_vllm(py: Path, model_dir: Path, name: str, dtype: str, port: int, bind
     say(f"starting vLLM (binding {binding}): {' '.join(cmd[1:])}")
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             cwd=workdir)
-    wait_http(f"http://127.0.0.1:{port}/v1/models", proc, 600, log)
+    wait_http(f"http://127.0.0.1:{port}/v1/models", proc, 900, log)  # it compiles the model at every start
     return proc, log
 
 
