@@ -15,9 +15,12 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items):
-    """Every test that needs the model or a Kubernetes API server is slow: loading the one or starting
-    the other takes seconds before its first assertion. `make test-fast` (-m "not slow") skips them."""
+    """A test that uses the real model (the `model_dir` fixture, directly or through another) is a
+    `model` test; every test that needs the model or a Kubernetes API server is `slow`: loading the one
+    or starting the other takes seconds before its first assertion. `make test-fast` skips them."""
     for item in items:
+        if "model_dir" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("model"):
+            item.add_marker(pytest.mark.model)
         if item.get_closest_marker("model") or item.get_closest_marker("k8s"):
             item.add_marker(pytest.mark.slow)
 

@@ -136,6 +136,7 @@ def test_trace_is_deterministic_and_bursty(sim):
     assert c.arrival_s.size != a.arrival_s.size or (c.arrival_s != a.arrival_s).any()
 
 
+@pytest.mark.slow  # the whole simulation, three policies over the trace
 def test_simulation_paired_beats_static_and_utilisation(sim, sim_report):
     res = {r["policy"].split()[0]: r for r in sim_report["results"]}
     ours, static, util = res["paired"], res["static"], res["util-hpa"]

@@ -17,6 +17,7 @@ def _run(args: list[str], env_updates: dict[str, str], timeout: int) -> subproce
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_gpu_bench_smoke(tmp_path):
     out = tmp_path / "smoke.json"
     proc = _run(["bench/gpu_kernels.py", "--smoke", "--out", str(out)], {"TRITON_INTERPRET": "1"}, timeout=300)
@@ -37,6 +38,7 @@ def test_gpu_bench_smoke(tmp_path):
     assert "paged attention kernel vs torch reference" in proc.stdout
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90():
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401

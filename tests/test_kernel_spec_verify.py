@@ -70,11 +70,16 @@ def assert_same(case):
     return ref
 
 
+def big(*case):
+    """A case whose grid costs the interpreter seconds: `slow`, the small ones cover the same paths fast."""
+    return pytest.param(*case, marks=pytest.mark.slow)
+
+
 CASES = [
     # (batch, k, vocab)
-    (1, 0, 7), (2, 3, 7), (6, 5, 7),
-    (1, 4, 100), (5, 5, 100), (6, 1, 100),
-    (3, 2, 1000), (4, 5, 1000),
+    (1, 0, 7), (2, 3, 7), big(6, 5, 7),
+    (1, 4, 100), big(5, 5, 100), (6, 1, 100),
+    (3, 2, 1000), big(4, 5, 1000),
 ]
 
 
@@ -88,6 +93,7 @@ def test_triton_matches_reference(batch, k, vocab, filters, with_q):
     assert_same(case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_q", [False, True], ids=["deterministic", "draft-probs"])
 def test_triton_matches_reference_large_vocab(with_q):
     # SmolLM2's vocabulary: the kernel loops over several BLOCK_V chunks and bisects top-k / top-p
@@ -312,13 +318,14 @@ def with_position_noise(case, seed: int):
 
 @pytest.mark.parametrize("with_q", [False, True], ids=["coupled", "draft-probs"])
 @pytest.mark.parametrize("filters", [(False, False), (True, True)], ids=["plain", "top-k+top-p"])
-@pytest.mark.parametrize("batch,k,vocab", [(1, 0, 7), (6, 5, 7), (5, 5, 100), (6, 1, 100), (4, 5, 1000)])
+@pytest.mark.parametrize("batch,k,vocab", [(1, 0, 7), big(6, 5, 7), big(5, 5, 100), big(6, 1, 100), big(4, 5, 1000)])
 def test_triton_matches_reference_per_position_noise(batch, k, vocab, filters, with_q):
     seed = hash((batch, k, vocab, filters, with_q, "per-position")) % 10_000
     case = with_position_noise(make_case(seed, batch, k, vocab, with_q=with_q, top_k_on=filters[0], top_p_on=filters[1]), seed + 1)
     assert_same(case)
 
 
+@pytest.mark.slow
 def test_triton_matches_reference_per_position_noise_small_blocks():
     case = with_position_noise(make_case(8, 4, 4, 300, with_q=False, top_k_on=True, top_p_on=True, temps=(1.0, 0.0, 0.6)), 9)
     ref = verify_reference(*case)
@@ -366,7 +373,7 @@ def coupled_batch(seed: int, batch: int, k: int, vocab: int):
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-@pytest.mark.parametrize("seed,batch,k,vocab", [(0, 5, 4, 50), (1, 6, 3, 300), (2, 4, 6, 20)])
+@pytest.mark.parametrize("seed,batch,k,vocab", [(0, 5, 4, 50), big(1, 6, 3, 300), big(2, 4, 6, 20)])
 def test_coupled_rows_reproduce_plain_sampling(impl, seed, batch, k, vocab):
     case, expected = coupled_batch(seed, batch, k, vocab)
     out, num_acc = verify(*case, impl=impl)
@@ -376,7 +383,7 @@ def test_coupled_rows_reproduce_plain_sampling(impl, seed, batch, k, vocab):
     assert any(len(row) > 1 for row in expected) and any(len(row) <= int(case[2][b]) for b, row in enumerate(expected))
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=pytest.mark.slow)])
 def test_coupled_rows_ignore_uniform_accept(impl):
     case, expected = coupled_batch(3, 5, 4, 40)
     for u in (0.0, 0.999999):

@@ -339,6 +339,7 @@ _CHILD_SENDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", STREAMING)
 def test_sender_killed_mid_transfer(nats_server, transport):
     kv = make_kv(64)
@@ -389,6 +390,7 @@ _CHILD_RECEIVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", STREAMING)
 def test_receiver_killed_mid_receive(nats_server, transport):
     """The sender fails within its bound. What the dead receiver leaves in /dev/shm is cleaned up: a shm

@@ -169,6 +169,7 @@ _ORPHAN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_orphaned_segments_of_a_dead_owner_are_swept_live_ones_kept():
     live = ShmPool(SHM_DIR)
     mine = live.lease(1 << 20)
