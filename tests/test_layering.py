@@ -238,7 +238,9 @@ def _loaded_by(statement: str, watch: list[str]) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("module", ["pdserve.front.server", "pdserve.kvtransfer.protocol", "pdserve.front.registry"])
+@pytest.mark.parametrize("module", [
+    pytest.param("pdserve.front.server", marks=pytest.mark.slow),  # imports transformers: seconds
+    "pdserve.kvtransfer.protocol", "pdserve.front.registry"])
 def test_the_front_loads_neither_triton_nor_kernels(module):
     """The HTTP front needs pydantic models from the wire protocol, not the verification kernels."""
     assert _loaded_by(f"import {module}", ["triton", "pdserve.kernels", "pdserve.kernels."]) == []
