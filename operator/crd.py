@@ -14,14 +14,16 @@ import copy
 import sys
 from typing import Any
 
+from pdserve import config
+
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
 KIND = "InferenceService"
 PLURAL = "inferenceservices"
 SHORT_NAMES = ["pdis"]  # KServe uses `isvc`; ours must not collide when both are installed.
 
-KV_DTYPES = ["float16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2"]
-COMPRESSIONS = ["none", "int8", "fp8"]
+KV_DTYPES = list(config.DTYPES)  # what the workers run with; `auto` resolves per device
+COMPRESSIONS = list(config.COMPRESSIONS)
 DEFAULT_PREFILL_METRIC = "pdserve_prefill_queue_depth"
 DEFAULT_DECODE_METRIC = "pdserve_decode_kv_utilization"
 
@@ -52,11 +54,13 @@ _SECRET_KEY_REF = _obj({"name": _s(minLength=1), "key": _s(minLength=1)}, ["name
 def _pool(default_metric: str, default_target: str, data_port: int) -> dict:
     return _obj({
         "replicas": _i(0, default=1, description="Replicas when autoscaling is disabled."),
-        "gpus": _i(0, default=1, description="nvidia.com/gpu per pod (set in limits)."),
+        "gpus": _i(0, default=1, description="nvidia.com/gpu per pod (set in limits); a pool with GPUs runs on "
+                                             "CUDA, one without on the CPU."),
         "resources": _obj({
             "requests": {"type": "object", "additionalProperties": _QUANTITY},
             "limits": {"type": "object", "additionalProperties": _QUANTITY},
-        }, description="CPU/memory (and other) requests and limits; nvidia.com/gpu comes from `gpus`."),
+        }, description="CPU/memory (and other) requests and limits. GPUs come from `gpus` (nvidia.com/gpu here is "
+                       "refused); the CPU limit (else request), rounded down, is the workers' torch threads."),
         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
         "tolerations": {"type": "array", "items": _obj({
             "key": _s(), "operator": _s(enum=["Exists", "Equal"]), "value": _s(),
@@ -72,7 +76,9 @@ def _pool(default_metric: str, default_target: str, data_port: int) -> dict:
                      "priorityClassName, volumes); containers are merged by name."},
         }, description="Pod template overrides."),
         "kv": _obj({
-            "dtype": _s(enum=KV_DTYPES, default="bfloat16", description="KV cache element type."),
+            "dtype": _s(enum=KV_DTYPES, default="bfloat16",
+                        description="Model and KV cache element type; auto: bfloat16 on GPUs that have it, "
+                                    "float32 on the CPU. Both pools must hold the same."),
             "blockSize": _i(1, maximum=1024, default=16, description="Tokens per KV block."),
             "compressions": {"type": "array", "items": _s(enum=COMPRESSIONS),
                              "default": list(COMPRESSIONS),
@@ -182,6 +188,8 @@ STATUS_SCHEMA["x-kubernetes-preserve-unknown-fields"] = True
 
 def crd() -> dict:
     """The CustomResourceDefinition object (apiextensions.k8s.io/v1)."""
+    from .validation import name_schema  # validation renders children, and the renderer imports this module
+
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -205,7 +213,9 @@ def crd() -> dict:
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ],
                 "schema": {"openAPIV3Schema": _obj({
-                    "apiVersion": _s(), "kind": _s(), "metadata": {"type": "object"},
+                    "apiVersion": _s(), "kind": _s(),
+                    # The name becomes Service names and label values: refused here when they could not be.
+                    "metadata": _obj({"name": name_schema()}),
                     "spec": SPEC_SCHEMA, "status": STATUS_SCHEMA,
                 }, ["spec"])},
             }],

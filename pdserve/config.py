@@ -61,6 +61,14 @@ class Settings(BaseModel):
     title: ClassVar[str] = ""
 
 
+def nats_url(v: str) -> str:
+    """`v` if it is one or more NATS server URLs (comma-separated), else ValueError saying how to write one."""
+    for server in v.split(","):
+        if not re.match(r"^(nats|tls|ws|wss)://[^\s/]+$", server.strip()):
+            raise ValueError(f"{server.strip()!r} is not a NATS URL; write it as nats://HOST:PORT")
+    return v
+
+
 # ------------------------------------------------------------------------------------------ groups
 
 class NatsConfig(Settings):
@@ -74,10 +82,7 @@ class NatsConfig(Settings):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        for server in v.split(","):
-            if not re.match(r"^(nats|tls|ws|wss)://[^\s/]+$", server.strip()):
-                raise ValueError(f"{server.strip()!r} is not a NATS URL; write it as nats://HOST:PORT")
-        return v
+        return nats_url(v)
 
     def credentials(self):
         """These settings as the `NatsCredentials` that connect a client."""
@@ -248,6 +253,34 @@ class FrontConfig(ProcessConfig):
     api_key: Annotated[SecretStr | None, ENV_ONLY] = Field(None, description="require this bearer token on /v1")
 
 
+class OperatorSettings(Settings):
+    """`pdserve operator`: what the operator knows beyond the InferenceServices (set by the chart)."""
+
+    title: ClassVar[str] = "Operator"
+
+    image: str = Field("ghcr.io/pdserve/pdserve:0.1.0", min_length=1,
+                       description="worker image of InferenceServices that name none")
+    nats_url: str = Field("nats://pdserve-nats:4222", description="NATS URL handed to workers whose "
+                                                                   "InferenceService names none")
+    nats_secret: str | None = Field(None, description="Secret with the NATS user and password (keys user, "
+                                                      "password), copied into each InferenceService's namespace")
+    nats_secret_namespace: str | None = Field(None, description="its namespace (default: the operator's own)")
+    own_namespace: Annotated[str | None, Opt(flag=None, env="POD_NAMESPACE")] = Field(
+        None, description="the operator's namespace")
+    webhook_cert: str | None = Field(None, description="TLS certificate of the validating admission webhook; "
+                                                       "without one (and a key) no webhook is served")
+    webhook_key: str | None = Field(None, description="its private key")
+    webhook_addr: str = Field("0.0.0.0", description="address the webhook listens on")
+    webhook_port: int = Field(9443, ge=1, le=65535, description="its port")
+    manage_crd: bool = Field(True, description="apply the InferenceService CRD of this version at start (Helm never "
+                                               "upgrades a chart's crds/)")
+
+    @field_validator("nats_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return nats_url(v)
+
+
 # ------------------------------------------------------------------------------------------ options
 
 @dataclass(frozen=True)
@@ -384,26 +417,38 @@ def _describe(cls: type[Settings], err: ValidationError, sources: Mapping[str, s
 S = TypeVar("S", bound=Settings)
 
 
+def _from_sources(cls: type[S], flags: Mapping[str, Any], environ: Mapping[str, str]) -> S:
+    """`cls` from parsed `flags` (by path) over `environ` over defaults; an empty variable counts as
+    unset. Raises ValueError naming each bad value's flag or variable."""
+    flat: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for o in options(cls):
+        if o.env and environ.get(o.env):
+            flat[o.path], sources[o.path] = environ[o.env], f"${o.env}"
+        if o.path in flags:
+            flat[o.path], sources[o.path] = flags[o.path], o.flag
+    try:
+        return cls.model_validate(_nest(flat))
+    except ValidationError as e:
+        raise ValueError(_describe(cls, e, sources)) from None
+
+
+def from_environ(cls: type[S], environ: Mapping[str, str] | None = None) -> S:
+    """`cls` from the environment (default os.environ) and defaults alone; ValueError on bad values."""
+    return _from_sources(cls, {}, os.environ if environ is None else environ)
+
+
 def load(cls: type[S], argv: list[str] | None = None, environ: Mapping[str, str] | None = None,
          prog: str | None = None, description: str | None = None) -> S:
     """`cls` from flags (`argv`), then the environment (`environ`, default os.environ), then defaults.
 
     An empty variable counts as unset. Bad values exit (status 2) with a message naming the
     flag, the variable and the value given, as argparse does for its own errors."""
-    environ = os.environ if environ is None else environ
     p = parser(cls, prog, description)
-    given = vars(p.parse_args(argv or []))
-    flat: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    for o in options(cls):
-        if o.env and environ.get(o.env):
-            flat[o.path], sources[o.path] = environ[o.env], f"${o.env}"
-        if o.path in given:
-            flat[o.path], sources[o.path] = given[o.path], o.flag
     try:
-        return cls.model_validate(_nest(flat))
-    except ValidationError as e:
-        p.exit(2, f"{p.prog}: error: {_describe(cls, e, sources)}\n")
+        return _from_sources(cls, vars(p.parse_args(argv or [])), os.environ if environ is None else environ)
+    except ValueError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
         raise  # not reached: parser.exit exits
 
 
@@ -425,6 +470,8 @@ def to_args(cfg: Settings) -> list[str]:
                 continue
             if isinstance(value, bool):
                 out.append(o.flag if value else "--no-" + o.flag[2:])
+            elif isinstance(value, float) and value.is_integer():
+                out.extend((o.flag, str(int(value))))
             else:
                 out.extend((o.flag, str(value)))
 
