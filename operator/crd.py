@@ -46,6 +46,12 @@ def _obj(props: dict, required: list[str] | None = None, **kw) -> dict:
     return d
 
 
+# An InferenceService's name becomes its children's names and label values; the strictest is the
+# front Service (named after it: a DNS-1035 label) and the decode Service (<name>-decode, at most
+# 63 characters). validation.name_errors finds the same rule by rendering the children; a test
+# holds the two equal.
+NAME_SCHEMA = {"type": "string", "maxLength": 56, "pattern": "^[a-z]([-a-z0-9]*[a-z0-9])?$"}
+
 _QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
 _FREE_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 _SECRET_KEY_REF = _obj({"name": _s(minLength=1), "key": _s(minLength=1)}, ["name", "key"])
@@ -188,8 +194,6 @@ STATUS_SCHEMA["x-kubernetes-preserve-unknown-fields"] = True
 
 def crd() -> dict:
     """The CustomResourceDefinition object (apiextensions.k8s.io/v1)."""
-    from .validation import name_schema  # validation renders children, and the renderer imports this module
-
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -215,7 +219,7 @@ def crd() -> dict:
                 "schema": {"openAPIV3Schema": _obj({
                     "apiVersion": _s(), "kind": _s(),
                     # The name becomes Service names and label values: refused here when they could not be.
-                    "metadata": _obj({"name": name_schema()}),
+                    "metadata": _obj({"name": NAME_SCHEMA}),
                     "spec": SPEC_SCHEMA, "status": STATUS_SCHEMA,
                 }, ["spec"])},
             }],

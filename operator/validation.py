@@ -7,8 +7,8 @@ what to change.
 
 Names: every child's name and label values are rendered from the InferenceService's name, so a
 name is checked by rendering the children a probe with that name would get and holding each
-against the rule its kind has on the API server (`name_errors`); `name_schema` is the same rule
-as the CRD can state it.
+against the rule its kind has on the API server (`name_errors`); `crd.NAME_SCHEMA` states the
+same rule for the API server.
 """
 from __future__ import annotations
 
@@ -67,17 +67,6 @@ def _longest() -> tuple[int, str, str, int]:
     probe = "zq9zq"  # appears in nothing the operator renders but where the name goes
     return min((limit - (len(value) - len(probe)), what, value, limit)
                for what, value, (_, limit, _) in _named(_probe_children(probe), probe))
-
-
-def longest_name() -> int:
-    """The most characters an InferenceService name may have so that every child can be built."""
-    return _longest()[0]
-
-
-def name_schema() -> dict:
-    """The CRD schema of metadata.name: the form and length `name_errors` holds a name to (a
-    Service is named after the InferenceService itself, so the name must be a DNS-1035 label)."""
-    return {"type": "string", "maxLength": longest_name(), "pattern": f"^{DNS1035_LABEL}$"}
 
 
 def name_errors(name: str) -> list[str]:

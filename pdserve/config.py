@@ -24,19 +24,17 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 ENV_PREFIX = "PDSERVE_"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-"""Model and KV element types a worker runs with; `auto`: bfloat16 on GPUs that have it, float32 on the CPU."""
-COMPRESSIONS = ("none", "int8", "fp8")
-TRANSPORTS = ("shm", "tcp", "nats", "objstore")
-
+# Model and KV element types a worker runs with; auto: bfloat16 on GPUs that have it, float32 on the CPU.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Compression = Literal["none", "int8", "fp8"]
+DTYPES, COMPRESSIONS = get_args(Dtype), get_args(Compression)
+TRANSPORTS = ("shm", "tcp", "nats", "objstore")
 
 
 @dataclass(frozen=True)
@@ -62,10 +60,9 @@ class Settings(BaseModel):
 
 
 def nats_url(v: str) -> str:
-    """`v` if it is one or more NATS server URLs (comma-separated), else ValueError saying how to write one."""
-    for server in v.split(","):
-        if not re.match(r"^(nats|tls|ws|wss)://[^\s/]+$", server.strip()):
-            raise ValueError(f"{server.strip()!r} is not a NATS URL; write it as nats://HOST:PORT")
+    """`v` if it is a NATS server URL, else ValueError saying how to write one."""
+    if not re.match(r"^(nats|tls|ws|wss)://[^\s/,]+$", v):
+        raise ValueError(f"{v!r} is not a NATS URL; write it as nats://HOST:PORT")
     return v
 
 
@@ -75,7 +72,7 @@ class NatsConfig(Settings):
     prefix: ClassVar[str] = "nats"
     title: ClassVar[str] = "NATS (control plane)"
 
-    url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated")
+    url: str = Field("nats://127.0.0.1:4222", description="NATS server URL")
     user: Annotated[str | None, ENV_ONLY] = Field(None, description="NATS user")
     password: Annotated[SecretStr | None, ENV_ONLY] = Field(None, description="NATS password")
 
