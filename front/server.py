@@ -32,6 +32,7 @@ from pdserve.front.openai_schema import ChatCompletionRequest, CompletionRequest
 from pdserve.kvtransfer.protocol import (
     Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects,
 )
+from pdserve.natsserver import NatsCredentials
 from pdserve.sampling import SamplingParams
 
 log = logging.getLogger("pdserve.front")
@@ -64,7 +65,7 @@ class Front:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         self.max_context = int(cfg.get("max_position_embeddings", 2048))
-        self.creds = args.nats.credentials()
+        self.creds = NatsCredentials.from_config(args.nats)
         self.api_key = args.api_key.get_secret_value() if args.api_key else None
         self.scope = args.deployment_scope
         self.registry = WorkerRegistry(self.scope)

@@ -81,13 +81,6 @@ class NatsConfig(Settings):
     def _url(cls, v: str) -> str:
         return nats_url(v)
 
-    def credentials(self):
-        """These settings as the `NatsCredentials` that connect a client."""
-        from pdserve.natsserver import NatsCredentials
-
-        return NatsCredentials(url=self.url, user=self.user,
-                               password=self.password.get_secret_value() if self.password else None)
-
 
 class KVTransferConfig(Settings):
     prefix: ClassVar[str] = "kv"

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from pdserve.kvtransfer.protocol import LoadReport, Subjects
 from pdserve.config import WorkerConfig, load
+from pdserve.natsserver import NatsCredentials
 
 log = logging.getLogger("pdserve.worker")
 
@@ -75,7 +76,7 @@ class WorkerBase:
         self.runner = ModelRunner(resolve_model(args.model), dtype=resolve_dtype(args.dtype, args.device),
                                   device=args.device, block_size=args.block_size, served_name=args.served_model_name)
         self.model_name = self.runner.name
-        self.creds = args.nats.credentials()
+        self.creds = NatsCredentials.from_config(args.nats)
         self.registry = CollectorRegistry()
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-compute")
         self.nc: nats.NATS | None = None
