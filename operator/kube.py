@@ -56,7 +56,7 @@ class Kube:
             data = resp.data
         return json.loads(data) if data else None
 
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict | None:
         try:
             return self.request("GET", path_for(api_version, kind, namespace, name))
         except client.ApiException as e:
