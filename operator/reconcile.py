@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.config import DecodeConfig, FrontConfig, OperatorSettings, PrefillConfig, Settings, options, to_args
+from pdserve.config import COMMANDS, OperatorSettings, Settings, options, to_args
 
 from .crd import GROUP, KIND, VERSION, apply_defaults
 
@@ -123,9 +123,6 @@ def _compute(pool_spec: dict) -> dict:
     return out
 
 
-SETTINGS: dict[str, type[Settings]] = {"prefill": PrefillConfig, "decode": DecodeConfig, "front": FrontConfig}
-
-
 def settings(body: dict, spec: dict, config: OperatorConfig, pool: str) -> Settings:
     """What one pool's processes run with, as the `pdserve.config` model its command parses.
 
@@ -157,7 +154,7 @@ def settings(body: dict, spec: dict, config: OperatorConfig, pool: str) -> Setti
             # idle KV segments kept in /dev/shm: half its bound, the rest for segments in use
             kv={"compression": t["compression"], "timeout": t["timeoutSeconds"],
                 "shm_pool_bytes": binary_bytes(t["shmSizeLimit"]) // 2})
-    return SETTINGS[pool].model_validate(values)
+    return COMMANDS[pool].model_validate(values)
 
 
 # What the downward API hands a pod, by the setting that reads it.

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pdserve.config import option
+from pdserve.config import COMMANDS, option
 
 from .crd import apply_defaults
 
@@ -187,11 +187,11 @@ def validate_spec(spec: dict[str, Any]) -> list[str]:
 def _settings_errors(spec: dict) -> list[str]:
     """What the pools' own settings (pdserve.config) refuse in the arguments this spec renders: the
     last word, so that a pod never starts only to exit on its arguments."""
-    from .reconcile import SETTINGS, OperatorConfig, settings
+    from .reconcile import OperatorConfig, settings
 
     found: dict[tuple[str, str, str], list[str]] = {}
     body = {"metadata": {"name": "probe", "namespace": "default", "uid": "probe"}}
-    for pool, kind in SETTINGS.items():
+    for pool, kind in COMMANDS.items():
         try:
             settings(body, spec, OperatorConfig(), pool)
         except ValidationError as e:

@@ -19,11 +19,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-# Commands whose settings are a `pdserve.config` model: checked (and `--help` printed) before the
-# command's module is imported, so a typo is refused at once rather than after torch loads.
-SETTINGS: dict[str, str] = {"prefill": "PrefillConfig", "decode": "DecodeConfig", "front": "FrontConfig"}
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
@@ -36,10 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     target, help_text = SUBCOMMANDS[argv[0]]
-    if argv[0] in SETTINGS:
-        from pdserve import config
+    from pdserve.config import COMMANDS, load
 
-        config.load(getattr(config, SETTINGS[argv[0]]), argv[1:], prog=f"pdserve {argv[0]}", description=help_text)
+    if argv[0] in COMMANDS:
+        # Settings are checked (and --help printed) before the command's module imports torch,
+        # so a typo is refused at once.
+        load(COMMANDS[argv[0]], argv[1:], prog=f"pdserve {argv[0]}", description=help_text)
     module, func = target.split(":")
     return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
 

@@ -271,6 +271,10 @@ class OperatorSettings(Settings):
         return nats_url(v)
 
 
+COMMANDS: dict[str, type[ProcessConfig]] = {"prefill": PrefillConfig, "decode": DecodeConfig, "front": FrontConfig}
+"""The serving commands (`pdserve <name>`, and the operator's pools of the same names) by their settings."""
+
+
 # ------------------------------------------------------------------------------------------ options
 
 @dataclass(frozen=True)

@@ -11,9 +11,7 @@ import sys
 import pytest
 
 from pdserve import cli, config
-from pdserve.config import DecodeConfig, FrontConfig, OperatorSettings, PrefillConfig, load, options, to_args
-
-COMMANDS = {"prefill": PrefillConfig, "decode": DecodeConfig, "front": FrontConfig}
+from pdserve.config import COMMANDS, DecodeConfig, FrontConfig, OperatorSettings, PrefillConfig, load, options, to_args
 
 # Every flag the workers, the front and the operator took before their settings were typed:
 # scripts, tests, docs and running pods use them.
@@ -105,9 +103,9 @@ def test_cli_checks_settings_with_the_models_the_workers_parse():
     from pdserve.decode.worker import DecodeWorker
     from pdserve.prefill.worker import PrefillWorker
 
-    assert getattr(config, cli.SETTINGS["prefill"]) is PrefillWorker.settings is PrefillConfig
-    assert getattr(config, cli.SETTINGS["decode"]) is DecodeWorker.settings is DecodeConfig
-    assert getattr(config, cli.SETTINGS["front"]) is FrontConfig
+    assert COMMANDS["prefill"] is PrefillWorker.settings is PrefillConfig
+    assert COMMANDS["decode"] is DecodeWorker.settings is DecodeConfig
+    assert COMMANDS["front"] is FrontConfig and set(COMMANDS) <= set(cli.SUBCOMMANDS)
 
 
 def _random_value(o: config.Option, rng: random.Random):

@@ -71,7 +71,7 @@ FAKE_POD = {"metadata.name": "llama-pod-abcde", "metadata.namespace": "ml", "sta
 def parsed(children, pool: str, name: str = "llama"):
     """The settings a pool's container starts with: its args and env parsed by the parser its
     command (`pdserve <pool>`) uses, with downward-API fields and Secret keys filled in."""
-    from pdserve import cli, config
+    from pdserve import config
 
     c = container(children, f"{name}-{pool}")
     assert c["command"] == ["pdserve", pool] and "args" in c
@@ -84,7 +84,7 @@ def parsed(children, pool: str, name: str = "llama"):
         else:
             ref = e["valueFrom"]["secretKeyRef"]
             env[e["name"]] = f"{ref['name']}/{ref['key']}"
-    return config.load(getattr(config, cli.SETTINGS[pool]), c["args"], env)
+    return config.load(config.COMMANDS[pool], c["args"], env)
 
 
 def test_worker_command_lines_env_and_gpus():
