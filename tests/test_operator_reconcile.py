@@ -413,3 +413,14 @@ def test_status_reports_refused_children():
     body["status"] = st
     st2 = compute_status(body, ready, [], "T1")
     assert {c["type"]: c["status"] for c in st2["conditions"]}["Degraded"] == "False"
+
+
+def test_the_operator_loads_neither_torch_nor_the_workers():
+    """The operator renders pods from pdserve.config alone, so its image can leave out torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pdserve.operator.handlers, pdserve.operator.main; "
+            "print(sorted(m for m in ('torch', 'triton', 'transformers', 'pdserve.workerbase') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
