@@ -16,8 +16,10 @@ with the server's reason and message, and a Warning event says the same. A refus
 spec change can mend (the server found the object invalid) waits for that change; any other
 (forbidden, a foreign object in the way) is tried again after `REFUSED_RETRY_S`.
 
-Status has one writer, `publish_status`. Settings come from the environment
-(`pdserve.config.OperatorSettings`: set by the chart, or by `pdserve operator` flags).
+Status has one writer, `publish_status`, called under the InferenceService's lock (kopf runs the
+handlers on a thread pool): a Deployment event cannot read the status before a reconcile in
+flight has published it, and then publish an older picture over it. Settings come from the
+environment (`pdserve.config.OperatorSettings`: set by the chart, or by `pdserve operator` flags).
 """
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ import asyncio
 import base64
 import copy
 import datetime
+import collections
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +96,7 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Lo
     opts = from_environ(OperatorSettings)
     kube = Kube(_api_client())
     memo.kube = kube
+    memo.locks = collections.defaultdict(threading.RLock)  # (namespace, name) -> that InferenceService's lock
     if opts.manage_crd:
         apply_crd(kube, logger)
     hpa = "autoscaling/v2" if "v2" in kube.served_versions("autoscaling") else "autoscaling/v2beta2"
@@ -154,23 +159,21 @@ class Refusal:
         return f"{self.kind} {self.name}: {self.message}"
 
 
-def _apply(kube: Kube, desired: dict) -> Refusal | None:
-    """Server-side apply one child, forcing our fields only over objects this InferenceService
-    owns: a conflict on someone else's object is reported, never overwritten."""
+def _apply(kube: Kube, desired: dict, keep_replicas: bool) -> Refusal | None:
+    """Server-side apply one child, ours winning over other managers (a hand edit), but only over
+    an object this InferenceService owns: one of the same name that it does not own is reported,
+    never touched (apply would merge our fields into it). keep_replicas: an HPA owns the
+    Deployment's replica count, so apply the one it set."""
     m = desired["metadata"]
     try:
-        try:
-            kube.apply(desired)
-        except client.ApiException as e:
-            if e.status != 409:
-                raise
-            # A field of ours was changed by another manager (kubectl edit), or the object is not ours.
-            live = kube.get(desired["apiVersion"], desired["kind"], m["namespace"], m["name"])
-            if live is not None and not _owned_by(live, m["ownerReferences"][0]["uid"]):
-                return Refusal(desired["kind"], m["name"], "NotOwned",
-                               f"{desired['kind']} {m['namespace']}/{m['name']} already exists and is not owned by "
-                               "this InferenceService; delete or rename it", retry=True)
-            kube.apply(desired, force=True)
+        live = kube.get(desired["apiVersion"], desired["kind"], m["namespace"], m["name"])
+        if live is not None and not _owned_by(live, m["ownerReferences"][0]["uid"]):
+            return Refusal(desired["kind"], m["name"], "NotOwned",
+                           f"{desired['kind']} {m['namespace']}/{m['name']} already exists and is not owned by "
+                           "this InferenceService; delete or rename it", retry=True)
+        if live is not None and keep_replicas and "replicas" in live.get("spec", {}):
+            desired["spec"]["replicas"] = live["spec"]["replicas"]
+        kube.apply(desired, force=True)
     except client.ApiException as e:
         if e.status in (400, 422):
             reason = "Invalid"
@@ -200,6 +203,11 @@ def publish_status(kube: Kube, isvc: dict, status: dict) -> None:
 def reconcile(body: dict, memo: kopf.Memo, logger: logging.Logger) -> None:
     """Bring the children in line with the spec and publish the status. Raises kopf.TemporaryError
     when a refused child should be tried again."""
+    with memo.locks[body["metadata"]["namespace"], body["metadata"]["name"]]:
+        _reconcile(body, memo, logger)
+
+
+def _reconcile(body: dict, memo: kopf.Memo, logger: logging.Logger) -> None:
     kube: Kube = memo.kube
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     errors = validate(body)
@@ -210,16 +218,14 @@ def reconcile(body: dict, memo: kopf.Memo, logger: logging.Logger) -> None:
                                                   memo.base_config))
         return
     cfg = _config(memo)
-    live = {p: kube.get("apps/v1", "Deployment", ns, f"{name}-{p}") for p in POOLS if autoscaled(body["spec"], p)}
-    observed = {"decode": live["decode"]["spec"]["replicas"]} if live.get("decode") else {}
+    decode = kube.get("apps/v1", "Deployment", ns, f"{name}-decode") if autoscaled(body["spec"], "decode") else None
+    observed = {"decode": decode["spec"]["replicas"]} if decode else {}
     children = desired_children(body, cfg, observed)
     refused: list[Refusal] = []
     for child in children:
         pool = child["metadata"]["labels"].get("app.kubernetes.io/component")
-        if child["kind"] == "Deployment" and live.get(pool):
-            # the HPA owns the replica count: apply the one it set
-            child["spec"]["replicas"] = live[pool]["spec"]["replicas"]
-        refusal = _apply(kube, child)
+        keep = child["kind"] == "Deployment" and bool(pool) and autoscaled(body["spec"], pool)
+        refusal = _apply(kube, child, keep_replicas=keep)
         if refusal:
             refused.append(refusal)
     # Children that the spec no longer asks for (an HPA whose pool stopped autoscaling, the NATS copy).
@@ -264,19 +270,20 @@ def child_deployment_changed(body: kopf.Body, event: dict, memo: kopf.Memo, logg
     if not name or not hasattr(memo, "kube"):
         return
     kube: Kube = memo.kube
-    isvc = kube.get(ISVC_API, "InferenceService", ns, name)
-    if not isvc or isvc["metadata"].get("deletionTimestamp"):
-        return
-    if event.get("type") == "DELETED" and _owned_by(body, isvc["metadata"]["uid"]):
-        logger.info(f"Deployment {body['metadata']['name']} deleted; recreating it")
-        try:
-            reconcile(isvc, memo, logger)
-        except kopf.TemporaryError:
-            pass  # reported in status and events; the InferenceService's own handler retries
-        return
-    errors = validate(isvc)
-    publish_status(kube, isvc, compute_status(isvc, _deployments(kube, ns, name), errors, _now(), memo.base_config,
-                                              refused=_standing_refusals(isvc)))
+    with memo.locks[ns, name]:
+        isvc = kube.get(ISVC_API, "InferenceService", ns, name)
+        if not isvc or isvc["metadata"].get("deletionTimestamp"):
+            return
+        if event.get("type") == "DELETED" and _owned_by(body, isvc["metadata"]["uid"]):
+            logger.info(f"Deployment {body['metadata']['name']} deleted; recreating it")
+            try:
+                reconcile(isvc, memo, logger)
+            except kopf.TemporaryError:
+                pass  # reported in status and events; the InferenceService's own handler retries
+            return
+        errors = validate(isvc)
+        publish_status(kube, isvc, compute_status(isvc, _deployments(kube, ns, name), errors, _now(),
+                                                  memo.base_config, refused=_standing_refusals(isvc)))
     if errors or labels.get("app.kubernetes.io/component") != "decode":
         return
     spec = apply_defaults(isvc["spec"])

@@ -211,19 +211,21 @@ def _merge(base: Any, override: Any) -> Any:
     return copy.deepcopy(override)
 
 
+# Ports name their protocol: server-side apply keys port lists by (port, protocol), and servers
+# before 1.22 refuse an applied port without one.
 def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> dict:
     name = body["metadata"]["name"]
     image = spec.get("image") or config.image
     pool_spec = spec[pool] if pool in POOLS else spec["front"]
     if pool in POOLS:
-        ports = [{"name": "data", "containerPort": spec[pool]["dataPort"]},
-                 {"name": "metrics", "containerPort": METRICS_PORT}]
+        ports = [{"name": "data", "containerPort": spec[pool]["dataPort"], "protocol": "TCP"},
+                 {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
         # /metrics answers once the model is loaded and NATS is connected (prefill dials out and has
         # no listening data port, so a TCP probe on it would never pass)
         probe = {"httpGet": {"path": "/metrics", "port": "metrics"}, "periodSeconds": 5}
         gpus = pool_spec["gpus"]
     else:
-        ports = [{"name": "http", "containerPort": spec["serving"]["port"]}]
+        ports = [{"name": "http", "containerPort": spec["serving"]["port"], "protocol": "TCP"}]
         probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
         gpus = 0
     cfg = settings(body, spec, config, pool)
@@ -275,6 +277,10 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
     override = pool_spec.get("podTemplate") or {}
     if override.get("spec"):
         pod_spec = _merge(pod_spec, override["spec"])
+        for c in pod_spec.get("containers", []) + pod_spec.get("initContainers", []):
+            for port in c.get("ports") or []:
+                if isinstance(port, dict):
+                    port.setdefault("protocol", "TCP")  # the server's default, which apply needs stated
     om = override.get("metadata") or {}
     meta["labels"] = {**om.get("labels", {}), **meta["labels"]}  # ours win: selectors depend on them
     meta["annotations"] = {**meta["annotations"], **om.get("annotations", {})}
@@ -354,8 +360,8 @@ def _services(body: dict, spec: dict) -> list[dict]:
         "apiVersion": "v1", "kind": "Service", "metadata": _meta(body, f"{name}-decode", "decode"),
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": False,
                  "selector": selector_labels(name, "decode"),
-                 "ports": [{"name": "data", "port": spec["decode"]["dataPort"], "targetPort": "data"},
-                           {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]},
+                 "ports": [{"name": "data", "port": spec["decode"]["dataPort"], "targetPort": "data", "protocol": "TCP"},
+                           {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}]},
     }
     return [front, decode]
 

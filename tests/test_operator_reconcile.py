@@ -307,7 +307,7 @@ def test_worker_readiness_probes_the_metrics_endpoint():
     for name in ("llama-prefill", "llama-decode"):
         container = children[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
         assert container["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
-        assert {"name": "metrics", "containerPort": 9100} in container["ports"]
+        assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in container["ports"]
 
 
 def test_prefix_cache_settings_reach_front_and_prefill():
