@@ -325,7 +325,8 @@ def options(cls: type[Settings]) -> tuple[Option, ...]:
 
     walk(cls, "", cls.title)
     flags = [o.flag for o in out if o.flag]
-    assert len(flags) == len(set(flags)), f"{cls.__name__}: two settings share a flag"
+    if len(flags) != len(set(flags)):
+        raise TypeError(f"{cls.__name__}: two settings share a flag")
     return tuple(out)
 
 
@@ -361,7 +362,9 @@ def parser(cls: type[Settings], prog: str | None = None, description: str | None
     for o in options(cls):
         if not o.flag:
             continue
-        g = groups.get(o.group) or groups.setdefault(o.group, p.add_argument_group(o.group))
+        if o.group not in groups:
+            groups[o.group] = p.add_argument_group(o.group)
+        g = groups[o.group]
         extra = [f"${o.env}" if o.env else None]
         default = _default_text(o.field)
         if default:
