@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from pdserve.config import COMMANDS, option
 
 from .crd import apply_defaults
+from .reconcile import OperatorConfig, cpu_cores, desired_children, settings
 
 DNS1035_LABEL = "[a-z]([-a-z0-9]*[a-z0-9])?"
 DNS1123_LABEL = "[a-z0-9]([-a-z0-9]*[a-z0-9])?"
@@ -36,8 +37,6 @@ _LABEL_RULE = (LABEL_VALUE, 63, "a label value: letters, digits, '-', '_' and '.
 
 def _probe_children(name: str) -> list[dict]:
     """The children an InferenceService called `name` gets with every optional child present."""
-    from .reconcile import OperatorConfig, desired_children
-
     body = {"metadata": {"name": name, "namespace": "default", "uid": "probe"},
             "spec": {"model": {"path": "m", "pvc": "p"}}}
     return desired_children(body, OperatorConfig(nats_credentials={"user": "", "password": ""}))
@@ -158,8 +157,6 @@ def validate_spec(spec: dict[str, Any]) -> list[str]:
                               f"spec.{name}.gpus (now {pool.get('gpus')}): remove it from resources and set gpus")
             cpu = (res.get(section) or {}).get("cpu")
             if cpu is not None:
-                from .reconcile import cpu_cores
-
                 try:
                     cpu_cores(cpu)
                 except ValueError as e:
@@ -187,8 +184,6 @@ def validate_spec(spec: dict[str, Any]) -> list[str]:
 def _settings_errors(spec: dict) -> list[str]:
     """What the pools' own settings (pdserve.config) refuse in the arguments this spec renders: the
     last word, so that a pod never starts only to exit on its arguments."""
-    from .reconcile import OperatorConfig, settings
-
     found: dict[tuple[str, str, str], list[str]] = {}
     body = {"metadata": {"name": "probe", "namespace": "default", "uid": "probe"}}
     for pool, kind in COMMANDS.items():
