@@ -150,6 +150,9 @@ class ProcessConfig(Settings):
     isvc: str | None = Field(None, description="the InferenceService this process belongs to")
     pool: str | None = Field(None, description="its pool in that InferenceService (prefill, decode, front)")
     namespace: Annotated[str | None, Opt(env="POD_NAMESPACE")] = Field(None, description="its Kubernetes namespace")
+    drain_timeout: float = Field(25.0, ge=0, description="seconds a stopping process (SIGTERM) keeps serving what it "
+                                                         "holds before failing the rest; keep it below the pod's "
+                                                         "terminationGracePeriodSeconds")
     nats: NatsConfig = Field(default_factory=NatsConfig)
 
     @field_validator("log_level", mode="before")
