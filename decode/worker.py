@@ -22,18 +22,18 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
+from pdserve.basetypes import LayoutMismatch
 from pdserve.config import DecodeConfig
-from pdserve.decode.drafters import SamplingSpec, make_drafter
-from pdserve.engine.blocks import OutOfBlocks
+from pdserve.decode.drafters import make_drafter
 from pdserve.decode.speculation import SpanTracker, SpeculationController
+from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
 from pdserve.kernels.spec_verify import verify, verify_greedy
-
-from pdserve.kvtransfer.layout import LayoutMismatch
+from pdserve.kvtransfer.channel import KVReceiveChannel
+from pdserve.kvtransfer.frames import TransferError
 from pdserve.kvtransfer.protocol import (
     Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
 )
-from pdserve.kvtransfer.channel import KVReceiveChannel
-from pdserve.kvtransfer.tcp import KVReceiver, TransferError
+from pdserve.kvtransfer.tcp_server import KVReceiver
 from pdserve.sampling import TextStream, verification_randomness
 from pdserve.workerbase import WorkerBase, run_worker
 
@@ -102,7 +102,12 @@ class DecodeWorker(WorkerBase):
         self._recent_itl: deque[float] = deque(maxlen=64)
         self.spec_method = args.spec.method
         self.spec_max_k = args.spec.max_k if args.spec.method != "none" else 0
-        self.engine = self._make_engine(args)
+        try:
+            # no prefix cache: decode never looks prompts up, and cached blocks would fragment the free space
+            self.engine = create_engine(self.runner, kind=args.engine, kv_capacity_bytes=args.kv_capacity_bytes,
+                                        prefix_cache=False, small_step_weights=args.cpu_weight_layouts)
+        except EngineUnavailable as e:
+            raise SystemExit(str(e)) from None
         self.max_batch = args.max_batch
         self.preempted: deque[Sequence] = deque()
         self.spec_k_policy = args.spec.k_policy
@@ -119,7 +124,8 @@ class DecodeWorker(WorkerBase):
               ).set_function(lambda: self.receiving + len(self.preempted))
         Gauge("pdserve_transfer_backlog_handoffs", "KV handoffs being received", registry=r
               ).set_function(lambda: self.receiving)
-        self.m_kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes received from prefill", registry=r)
+        self.m_kv_bytes = Counter("pdserve_kv_transfer_received_bytes_total",
+                                  "KV bytes received from prefill (uncompressed)", registry=r)
         self.m_kv_wire = Counter("pdserve_kv_transfer_wire_bytes_total", "bytes the received KV took on the wire",
                                  ["transport", "compression"], registry=r)
         self.m_preempted = Counter("pdserve_decode_preemptions_total", "sequences preempted for KV room",
@@ -139,25 +145,6 @@ class DecodeWorker(WorkerBase):
                                      registry=r, buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
         self.m_spec_k = Histogram("pdserve_spec_chosen_k", "speculation length chosen per step", registry=r,
                                   buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
-
-    def _make_engine(self, args):
-        """The paged engine (block pool, batched steps) for Llama-family models; a dense
-        per-sequence engine for anything else."""
-        if args.engine in ("auto", "paged") and self.runner.config.model_type == "llama":
-            from pdserve.engine.runner import PagedRunner
-
-            blocks = max(16, args.kv_capacity_bytes // (self.runner.layout.block_bytes * self.runner.layout.num_layers))
-            # no prefix cache: decode never looks prompts up, and cached blocks would fragment the free space
-            engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
-                                 block_size=self.runner.layout.block_size, num_blocks=blocks, prefix_cache=False,
-                                 small_step_weights=args.cpu_weight_layouts)
-            self.runner.layout.check_matches(engine.layout, what="paged engine")
-            return engine
-        if args.engine == "paged":
-            raise SystemExit(f"--engine paged runs Llama-family models; {self.runner.config.model_type} is not one")
-        from pdserve.runtime import DenseEngine
-
-        return DenseEngine(self.runner, args.kv_capacity_bytes)
 
     def _make_drafter(self, args: DecodeConfig):
         if args.spec.method == "draft":  # DecodeConfig makes sure a draft model is named
@@ -375,8 +362,7 @@ class DecodeWorker(WorkerBase):
         if not s.max_k or room <= 0:
             self.m_spec_k.observe(0)
             return None
-        sp = s.offer.sampling
-        sampling = SamplingSpec(sp.temperature, sp.top_k, sp.top_p)
+        sampling = s.offer.sampling
         max_k = min(s.max_k, room)
         confidence = getattr(self.drafter, "confidence", None)
         if confidence is not None and self.spec_k_policy == "adaptive":

@@ -27,13 +27,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
+from pdserve.basetypes import SamplingParams
 from pdserve.config import FrontConfig, load
 from pdserve.front.openai_schema import ChatCompletionRequest, CompletionRequest
 from pdserve.kvtransfer.protocol import (
     Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects,
 )
 from pdserve.natsserver import NatsCredentials
-from pdserve.sampling import SamplingParams
 
 log = logging.getLogger("pdserve.front")
 
@@ -85,7 +85,8 @@ class Front:
         self.m_e2e = Histogram("pdserve_request_duration_seconds", "request latency", registry=r,
                                buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
         self.m_queue = Gauge("pdserve_queue_depth", "requests in flight at this front", registry=r)
-        self.m_kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes moved prefill -> decode", registry=r)
+        self.m_kv_bytes = Counter("pdserve_kv_transfer_moved_bytes_total",
+                                  "KV bytes moved prefill -> decode, as the handoffs report them", registry=r)
         self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV transfer time", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
         self.m_prompt_tokens = Counter("pdserve_prompt_tokens_total", "prompt tokens", registry=r)

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.autoscale.policy import prefill_range
 from pdserve.config import COMMANDS, OperatorSettings, Settings, options, to_args
 
 from .crd import GROUP, KIND, VERSION, apply_defaults
@@ -315,9 +316,9 @@ def prefill_bounds_for_ratio(spec: dict, decode_replicas: int) -> tuple[int, int
     a = spec["prefill"]["autoscaling"]
     lo, hi = a["minReplicas"], a["maxReplicas"]
     ratio = spec.get("autoscaling", {}).get("prefillDecodeRatio") or {}
-    d = max(decode_replicas, 1)
-    new_lo = lo if "min" not in ratio else min(max(lo, math.ceil(ratio["min"] * d - 1e-9)), hi)
-    new_hi = hi if "max" not in ratio else max(min(hi, math.floor(ratio["max"] * d + 1e-9)), new_lo)
+    fewest, most = prefill_range(max(decode_replicas, 1), ratio.get("min"), ratio.get("max"))
+    new_lo = lo if fewest is None else min(max(lo, fewest), hi)
+    new_hi = hi if most is None else max(min(hi, most), new_lo)
     return new_lo, new_hi
 
 

@@ -1,5 +1,9 @@
 """The prefill worker: takes prompts from NATS, runs them in batched chunks, hands their KV to decode.
 
+(Longer than our ~600-line norm: the scheduler, pre-positioning, layer streaming and the handoff
+all act on the same jobs, engine and compute thread between two steps; split apart, each piece
+would take the worker's whole state as an argument.)
+
 Requests arrive on the deployment's queue group (any worker) or on this worker's own subject
 (the front routed them here because this worker's prefix cache holds the longest part of the
 prompt). Each is acknowledged at once and joins the scheduler's queue.
@@ -47,14 +51,15 @@ from dataclasses import dataclass
 import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
 
+from pdserve.basetypes import announced, prefix_hashes
 from pdserve.config import PrefillConfig
-from pdserve.engine.blocks import OutOfBlocks
+from pdserve.engine import OutOfBlocks, create_engine
 from pdserve.kvtransfer.channel import KVSendChannel
+from pdserve.kvtransfer.frames import TransferError
 from pdserve.kvtransfer.protocol import (
     PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, PrepositionHint, ProtocolError,
-    StreamEvent, Subjects, Usage, announced, prefix_hashes,
+    StreamEvent, Subjects, Usage,
 )
-from pdserve.kvtransfer.tcp import TransferError
 from pdserve.sampling import TextStream, sample_next
 from pdserve.workerbase import WorkerBase, run_worker
 
@@ -106,7 +111,7 @@ class PrefillWorker(WorkerBase):
         self.transfer_timeout = args.kv.timeout
         self.chunk_size = max(1, args.chunk_size)
         self.max_batch_tokens = max(self.chunk_size, args.max_batch_tokens)
-        self.engine = self._make_engine(args)
+        self.engine = create_engine(self.runner, kv_capacity_bytes=args.kv_capacity_bytes, small_step_weights=False)
         self.jobs: deque[Job] = deque()  # requests, oldest first
         self.hints: OrderedDict[str, Job] = OrderedDict()  # pre-positioning, newest last
         self.hint_job: Job | None = None  # the hint being computed (at most one at a time)
@@ -151,27 +156,12 @@ class PrefillWorker(WorkerBase):
               ).set_function(lambda: self.transfer_backlog)
         Gauge("pdserve_transfer_backlog_bytes", "KV bytes waiting or in flight", registry=r
               ).set_function(lambda: self.transfer_backlog_bytes)
-        self.m_kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes sent to decode", registry=r)
+        self.m_kv_bytes = Counter("pdserve_kv_transfer_sent_bytes_total", "KV bytes sent to decode (uncompressed)",
+                                  registry=r)
         self.m_streamed = Counter("pdserve_kv_layer_streamed_total", "handoffs whose KV left layer by layer "
                                   "during the prompt's last forward", registry=r)
         self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV handoff time (offer to ACK)", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
-
-    def _make_engine(self, args):
-        """The paged engine (block pool with prefix cache, batched chunks) for Llama-family models;
-        the dense per-sequence engine (no prefix cache) for anything else."""
-        layout = self.runner.layout
-        if self.runner.config.model_type == "llama":
-            from pdserve.engine.runner import PagedRunner
-
-            blocks = max(16, args.kv_capacity_bytes // (layout.block_bytes * layout.num_layers))
-            engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
-                                 block_size=layout.block_size, num_blocks=blocks, small_step_weights=False)
-            layout.check_matches(engine.layout, what="paged engine")
-            return engine
-        from pdserve.runtime import DenseEngine
-
-        return DenseEngine(self.runner, args.kv_capacity_bytes)
 
     def load_fields(self) -> dict:
         mean = lambda d: sum(d) / len(d) if d else 0.0  # noqa: E731
