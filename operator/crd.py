@@ -14,7 +14,7 @@ import copy
 import sys
 from typing import Any
 
-from pdserve import config
+from pdserve import basetypes, config
 
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
@@ -23,7 +23,7 @@ PLURAL = "inferenceservices"
 SHORT_NAMES = ["pdis"]  # KServe uses `isvc`; ours must not collide when both are installed.
 
 KV_DTYPES = list(config.DTYPES)  # what the workers run with; `auto` resolves per device
-COMPRESSIONS = list(config.COMPRESSIONS)
+COMPRESSIONS = list(basetypes.COMPRESSIONS)
 DEFAULT_PREFILL_METRIC = "pdserve_prefill_queue_depth"
 DEFAULT_DECODE_METRIC = "pdserve_decode_kv_utilization"
 

@@ -29,12 +29,12 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from pdserve.basetypes import DEFAULT_BLOCK_SIZE, TRANSPORTS, Compression
+
 ENV_PREFIX = "PDSERVE_"
 # Model and KV element types a worker runs with; auto: bfloat16 on GPUs that have it, float32 on the CPU.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-Compression = Literal["none", "int8", "fp8"]
-DTYPES, COMPRESSIONS = get_args(Dtype), get_args(Compression)
-TRANSPORTS = ("shm", "tcp", "nats", "objstore")
+DTYPES = get_args(Dtype)
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ class WorkerConfig(ProcessConfig):
                                            "where CUDA is absent")
     dtype: Dtype = Field("auto", description="model and KV element type; auto: bfloat16 on GPUs that have it, "
                                              "float32 on the CPU")
-    block_size: int = Field(16, ge=1, le=1024, description="KV tokens per block")
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, le=1024, description="KV tokens per block")
     threads: int = Field(1, ge=1, le=1024, description="torch threads of the compute thread")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus /metrics on this port (0: off)")
     data_port: int = Field(0, ge=0, le=65535, description="KV data port (0: any free port)")

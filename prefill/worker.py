@@ -60,6 +60,7 @@ from pdserve.kvtransfer.protocol import (
     PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, PrepositionHint, ProtocolError,
     StreamEvent, Subjects, Usage,
 )
+from pdserve.kvtransfer.shm import SENDER_MAPS
 from pdserve.sampling import TextStream, sample_next
 from pdserve.workerbase import WorkerBase, run_worker
 
@@ -109,6 +110,7 @@ class PrefillWorker(WorkerBase):
         super().__init__(args)
         self.offer_timeout = args.offer_timeout
         self.transfer_timeout = args.kv.timeout
+        SENDER_MAPS.max_bytes = args.kv.shm_sender_map_bytes  # the process's one map of decode's segments
         self.chunk_size = max(1, args.chunk_size)
         self.max_batch_tokens = max(self.chunk_size, args.max_batch_tokens)
         self.engine = create_engine(self.runner, kv_capacity_bytes=args.kv_capacity_bytes, small_step_weights=False)
