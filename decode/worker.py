@@ -150,9 +150,10 @@ class DecodeWorker(WorkerBase):
         if args.spec.method == "draft":  # DecodeConfig makes sure a draft model is named
             from pdserve.modelstore import resolve_model
 
-            # refused here, at load, if its tokenizer differs from the target's
+            # refused here, at load, if its tokenizer differs from the target's; its forwards run off
+            # the event loop, which must keep heartbeats and token streams flowing meanwhile
             return make_drafter("draft", path=str(resolve_model(args.spec.draft_model)),
-                                target_tokenizer=self.runner.tokenizer)
+                                target_tokenizer=self.runner.tokenizer, run_in_thread=True)
         return make_drafter(args.spec.method)
 
     def data_addr(self) -> str | None:
