@@ -13,6 +13,8 @@ from __future__ import annotations
 import array
 import hashlib
 
+from typing import Literal, get_args
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # --- sampling ---------------------------------------------------------------------------------
@@ -48,6 +50,14 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# --- how KV moves ---------------------------------------------------------------------------
+# The words a handoff offer, the workers' settings and the CRD share.
+
+Compression = Literal["none", "int8", "fp8"]  # of KV on the wire
+COMPRESSIONS: tuple[str, ...] = get_args(Compression)
+TRANSPORTS = ("shm", "tcp", "nats", "objstore")  # KV data paths, in a sender's usual preference
 
 
 # --- the KV layout --------------------------------------------------------------------------

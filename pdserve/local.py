@@ -33,7 +33,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from pdserve.children import STOP_SIGNALS, ChildRecord, die_with_parent, signals_held, sweep
+from pdserve.config import DTYPES, DecodeConfig, FrontConfig, PrefillConfig, S, option, to_args
 from pdserve.natsserver import EmbeddedNats, NatsCredentials, free_port
 
 HOST = "127.0.0.1"
@@ -153,15 +156,15 @@ class LocalCluster:
                 self.nats_server.start()
                 self.record.add("nats", self.nats_server.proc.pid)
                 self.creds = self.nats_server.creds
-            drain = ["--drain-timeout", str(self.drain_timeout)]
+            # each child's flags rendered from its own settings model, as the operator renders a pod's
             for i in range(self.n_prefill):
-                self.spawn(f"prefill-{i}", "prefill", "--model", model_dir, "--worker-id", f"prefill-{i}", *drain,
-                           *self.worker_args.get("prefill", []))
+                cfg = PrefillConfig(model=model_dir, worker_id=f"prefill-{i}", drain_timeout=self.drain_timeout)
+                self.spawn(f"prefill-{i}", "prefill", *to_args(cfg), *self.worker_args.get("prefill", []))
             for i in range(self.n_decode):
-                self.spawn(f"decode-{i}", "decode", "--model", model_dir, "--worker-id", f"decode-{i}", *drain,
-                           *self.worker_args.get("decode", []))
-            self.spawn("front", "front", "--model", model_dir, "--port", str(self.port), *drain,
-                       *self.worker_args.get("front", []))
+                cfg = DecodeConfig(model=model_dir, worker_id=f"decode-{i}", drain_timeout=self.drain_timeout)
+                self.spawn(f"decode-{i}", "decode", *to_args(cfg), *self.worker_args.get("decode", []))
+            cfg = FrontConfig(model=model_dir, port=self.port, drain_timeout=self.drain_timeout)
+            self.spawn("front", "front", *to_args(cfg), *self.worker_args.get("front", []))
             self.wait_ready(timeout)
         except BaseException:
             self.stop()
@@ -339,26 +342,38 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--port", type=int, default=8000, help="the OpenAI API's port on 127.0.0.1")
     p.add_argument("--demo", action="store_true", help="send one chat completion once up, and print it")
-    # the workers' own options, passed through as their flags (the workers validate them)
+    # the workers' own settings, passed to them as their flags (see `worker_args`)
     w = p.add_argument_group("worker options (passed to prefill and decode)")
-    w.add_argument("--dtype", default=None, help="model and KV dtype (the workers' default if omitted)")
-    w.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda")
-    w.add_argument("--threads", type=int, default=None, help="torch threads per worker")
-    w.add_argument("--spec-method", default="ngram", help="decode-side speculation: none or ngram")
+    w.add_argument("--dtype", default=None, choices=DTYPES, help="model and KV element type (default: auto)")
+    w.add_argument("--device", default=None, help="torch device: cpu, cuda or cuda:N (default: cpu)")
+    w.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: 1)")
+    w.add_argument("--spec-method", default="ngram", choices=("none", "ngram"), help="decode-side speculation")
     w.add_argument("--spec-max-k", type=int, default=None, help="most draft tokens verified per decode step")
     return p
 
 
+def _settings(cls: type[S], **values) -> S:
+    """`cls` from `values`; ValueError naming each bad value by its flag."""
+    try:
+        return cls.model_validate(values)
+    except ValidationError as e:
+        def named(err) -> str:
+            path = ".".join(str(x) for x in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            return f"{option(cls, path).flag}: {msg}" if path else msg
+        raise ValueError("; ".join(named(err) for err in e.errors())) from None
+
+
 def worker_args(args: argparse.Namespace) -> dict[str, list[str]]:
-    """`pdserve up`'s options → the flags of each child command."""
-    both = []
-    for flag, value in (("--dtype", args.dtype), ("--device", args.device), ("--threads", args.threads)):
-        if value is not None:
-            both += [flag, str(value)]
-    decode = [*both, "--spec-method", args.spec_method]
-    if args.spec_max_k is not None:
-        decode += ["--spec-max-k", str(args.spec_max_k)]
-    return {"prefill": both, "decode": decode}
+    """`pdserve up`'s options → each child command's flags, rendered from that command's settings
+    model (so a bad value is refused here, before anything starts: ValueError naming its flag)."""
+    given = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
+    both = {k: v for k, v in given.items() if v is not None}
+    spec = {"method": args.spec_method, **({"max_k": args.spec_max_k} if args.spec_max_k is not None else {})}
+    return {"prefill": to_args(_settings(PrefillConfig, **both)),
+            "decode": to_args(_settings(DecodeConfig, **both, spec=spec)),
+            # the front sizes its routing's KV estimates by the workers' element type
+            "front": to_args(_settings(FrontConfig, **({"kv_dtype": args.dtype} if args.dtype else {})))}
 
 
 def main(argv: list[str]) -> int:
@@ -369,11 +384,14 @@ def main(argv: list[str]) -> int:
             signal.signal(s, _raise_interrupted)
     cluster = None
     try:
-        args = _parser().parse_args(argv)
+        parser = _parser()
+        args = parser.parse_args(argv)
+        try:
+            children_args = worker_args(args)
+        except ValueError as e:
+            parser.error(str(e))
         cluster = LocalCluster(args.model, args.prefill_workers, args.decode_workers, port=args.port,
-                               worker_args=worker_args(args),
-                               # the front sizes its KV estimates for routing by the workers' dtype
-                               env={"PDSERVE_KV_DTYPE": args.dtype} if args.dtype else None)
+                               worker_args=children_args)
         print(f"pdserve up: starting (logs in {cluster.log_dir}) ...", flush=True)
         cluster.start()
         return _serve(cluster, args)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.children import die_with_parent, signals_held
+from pdserve.config import NatsConfig, from_environ
 
 
 def nats_server_binary() -> str:
@@ -51,12 +52,14 @@ class NatsCredentials:
         return env
 
     @classmethod
+    def from_config(cls, nats: NatsConfig) -> "NatsCredentials":
+        return cls(url=nats.url, user=nats.user, password=nats.password.get_secret_value() if nats.password else None)
+
+    @classmethod
     def from_env(cls, url: str | None = None) -> "NatsCredentials":
-        return cls(
-            url=url or os.environ.get("PDSERVE_NATS_URL", "nats://127.0.0.1:4222"),
-            user=os.environ.get("PDSERVE_NATS_USER"),
-            password=os.environ.get("PDSERVE_NATS_PASSWORD"),
-        )
+        """From $PDSERVE_NATS_URL / _USER / _PASSWORD (`url` wins over the first)."""
+        nats = from_environ(NatsConfig)
+        return cls.from_config(nats.model_copy(update={"url": url}) if url else nats)
 
     def connect_kwargs(self) -> dict:
         kw: dict = {"servers": [self.url]}

@@ -25,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pdserve.children import ChildRecord, start_time, sweep
-from pdserve.local import ChildExited, LocalCluster, PortBusy, log_reason
+from pdserve.config import DecodeConfig, FrontConfig, PrefillConfig, load
+from pdserve.local import ChildExited, LocalCluster, PortBusy, _parser, log_reason, worker_args
 from pdserve.natsserver import free_port
 from servinghelpers import post, wait_for
 
@@ -175,6 +176,20 @@ def test_log_reason_finds_the_exception_or_the_last_words():
     assert log_reason("usage: pdserve decode ...\npdserve decode: error: argument --dtype: invalid choice\n\n") \
         == "pdserve decode: error: argument --dtype: invalid choice"
     assert log_reason("") == "(its log is empty)"
+
+
+def test_up_hands_the_workers_options_to_each_child_as_its_own_settings():
+    flags = worker_args(_parser().parse_args(["--dtype", "bfloat16", "--threads", "2", "--spec-max-k", "4"]))
+    prefill = load(PrefillConfig, flags["prefill"], environ={})
+    decode = load(DecodeConfig, flags["decode"], environ={})
+    assert (prefill.dtype, prefill.threads) == (decode.dtype, decode.threads) == ("bfloat16", 2)
+    assert (decode.spec.method, decode.spec.max_k) == ("ngram", 4)
+    assert load(FrontConfig, flags["front"], environ={}).kv_dtype == "bfloat16"  # its routing's KV estimate
+    assert load(FrontConfig, worker_args(_parser().parse_args([]))["front"], environ={}).kv_dtype == "auto"
+    with pytest.raises(ValueError, match="--threads: .*greater than or equal to 1"):
+        worker_args(_parser().parse_args(["--threads", "0"]))
+    with pytest.raises(ValueError, match="--spec-max-k"):
+        worker_args(_parser().parse_args(["--spec-max-k", "999"]))
 
 
 def test_sweep_kills_only_the_children_of_a_vanished_supervisor(tmp_path):
