@@ -166,12 +166,13 @@ def test_dtype_auto_is_float32_on_the_cpu():
     assert resolve_dtype("bfloat16", "cpu") is torch.bfloat16 and resolve_dtype("float16", "cuda") is torch.float16
 
 
+@pytest.mark.slow  # a worker process importing torch: several seconds, more on a busy machine
 @pytest.mark.parametrize("command", ["prefill", "decode"])
 def test_a_cuda_worker_without_cuda_refuses_to_start(command):
     """A pool given GPUs renders --device cuda; where no GPU is visible the worker exits at once
     with a message saying so (its pod then stays NotReady), before loading any model."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "-m", "pdserve.cli", command, "--device", "cuda", "--model", "/nonexistent"],
+    r = subprocess.run([sys.executable, "-P", "-m", "pdserve.cli", command, "--device", "cuda", "--model", "/nonexistent"],
                        env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode != 0
     assert "--device cuda: CUDA is not available here" in r.stderr, r.stderr

@@ -233,7 +233,7 @@ def _loaded_by(statement: str, watch: list[str]) -> list[str]:
             f"watch = {watch!r}\n"
             "print(json.dumps(sorted(m for m in sys.modules for w in watch"
             " if m == w or (w.endswith('.') and m.startswith(w)))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
