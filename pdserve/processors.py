@@ -107,12 +107,23 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tens
     return logits
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[int], list[float]]]:
+def make_processor(params: SamplingParams, prompt_ids: list[int], generated: list[int], vocab: int, tokenizer,
+                   eos_token_ids: set[int]) -> SequenceProcessor | None:
+    """The processor a request needs, or None when its distributions depend on nothing but the
+    logits (then plain sampling applies as is, at no cost)."""
+    if not params.history_dependent:
+        return None
+    jv = JsonVocab.of(tokenizer, eos_token_ids) if params.response_format == "json_object" else None
+    return SequenceProcessor(params, prompt_ids, generated, vocab, eos_token_ids, json_vocab=jv)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[dict]:
     """Raw logprobs of chosen tokens: logits `[n, V]` (row j chose tokens[j]) → per token
-    (logprob, top ids, top logprobs), `top` alternatives each (most likely first)."""
+    {logprob, top_ids, top_logprobs} (the fields of `kvtransfer.protocol.TokenLogprob`), `top`
+    alternatives each, most likely first."""
     lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
     chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
-    if top:
-        vals, idx = lp.topk(top, dim=-1)
-        return [(c, i, v) for c, i, v in zip(chosen, idx.tolist(), vals.tolist())]
-    return [(c, [], []) for c in chosen]
+    if not top:
+        return [{"logprob": c} for c in chosen]
+    vals, idx = lp.topk(top, dim=-1)
+    return [{"logprob": c, "top_ids": i, "top_logprobs": v} for c, i, v in zip(chosen, idx.tolist(), vals.tolist())]

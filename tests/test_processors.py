@@ -85,11 +85,11 @@ def test_token_logprobs_are_the_raw_log_softmax():
     x = logits(5, 3)
     out = token_logprobs(x, [4, 7, 9], top=3)
     lp = torch.log_softmax(x, dim=-1)
-    for j, (chosen, ids, vals) in enumerate(out):
-        assert chosen == pytest.approx(float(lp[j, [4, 7, 9][j]]), rel=1e-6)
-        assert ids == lp[j].topk(3).indices.tolist()
-        assert vals == pytest.approx(lp[j].topk(3).values.tolist(), rel=1e-6)
-    assert token_logprobs(x, [1], top=0) == [(pytest.approx(float(lp[0, 1]), rel=1e-6), [], [])]
+    for j, row in enumerate(out):
+        assert row["logprob"] == pytest.approx(float(lp[j, [4, 7, 9][j]]), rel=1e-6)
+        assert row["top_ids"] == lp[j].topk(3).indices.tolist()
+        assert row["top_logprobs"] == pytest.approx(lp[j].topk(3).values.tolist(), rel=1e-6)
+    assert token_logprobs(x, [1], top=0) == [{"logprob": pytest.approx(float(lp[0, 1]), rel=1e-6)}]
 
 
 @pytest.mark.model
