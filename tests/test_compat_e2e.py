@@ -329,3 +329,33 @@ def test_malformed_known_fields_are_still_refused(cluster, extra, fragment):
 def test_chat_top_logprobs_needs_logprobs(cluster):
     status, out = post(cluster.url + "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "top_logprobs": 2})
     assert status == 400 and "top_logprobs" in out["error"]["message"]
+
+
+# -- the published description --------------------------------------------------------------------
+
+def test_openapi_json_describes_the_real_responses(cluster):
+    """GET /openapi.json is valid OpenAPI 3.1, and real answers — unary and streamed, chat and text,
+    with n and logprobs, errors, the model list — validate against the schemas it publishes."""
+    import jsonschema
+    from openapi_spec_validator import validate
+
+    with urllib.request.urlopen(cluster.url + "/openapi.json", timeout=30) as r:
+        doc = json.loads(r.read())
+    validate(doc)
+
+    def check(name: str, body) -> None:
+        jsonschema.validate(body, {"$ref": f"#/components/schemas/{name}", "components": doc["components"]},
+                            cls=jsonschema.Draft202012Validator)
+
+    check("CompletionResponse", complete(cluster, "Hi", max_tokens=3, n=2, logprobs=2, temperature=0.5, seed=1))
+    check("ChatCompletionResponse", complete(cluster, CHAT, max_tokens=3, logprobs=True, top_logprobs=1))
+    for c in stream(cluster, "Hi", max_tokens=3, logprobs=1, stream_options={"include_usage": True})[0]:
+        check("CompletionResponse", c)
+    for c in stream(cluster, CHAT, max_tokens=3, n=2, stream_options={"include_usage": True,
+                                                                      "continuous_usage_stats": True})[0]:
+        check("ChatCompletionChunk", c)
+    status, err = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 99})
+    assert status == 400
+    check("ErrorResponse", err)
+    with urllib.request.urlopen(cluster.url + "/v1/models", timeout=30) as r:
+        check("ModelList", json.loads(r.read()))
