@@ -26,17 +26,16 @@ from typing import AsyncIterator, Iterable
 
 import torch
 
-from pdserve.basetypes import KVLayout
+from pdserve.basetypes import COMPRESSIONS, TRANSPORTS, KVLayout
 from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.protocol import HandoffOffer, HandoffReply, Subjects, TransferFailed
-from pdserve.kvtransfer.frames import COMPRESSIONS, TransferError, TransferHeader
+from pdserve.kvtransfer.frames import TransferError, TransferHeader
 from pdserve.kvtransfer.shm import host_id
 from pdserve.kvtransfer.tcp_send import aiter_layers, send_kv, send_kv_stream
 from pdserve.kvtransfer.tcp_server import KVReceiver
 
 log = logging.getLogger("pdserve.kvtransfer.channel")
 
-TRANSPORTS = ("shm", "tcp", "nats", "objstore")
 DEFAULT_PREFERENCE = ("shm", "tcp", "nats")
 
 

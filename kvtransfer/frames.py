@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from pdserve.basetypes import KVLayout
+from pdserve.basetypes import Compression, KVLayout
 
 try:  # ISA-L's crc32 is the same function as zlib's (same values on the wire), and faster
     from isal.isal_zlib import crc32 as _fast_crc32
@@ -58,8 +58,6 @@ MAX_CONTROL_FRAME = 1 << 20
 MAX_CHUNK = 1 << 31
 DEFAULT_CHUNK_BYTES = 4 << 20  # compressed layers: deflate of chunk i runs beside chunk i+1's
 
-Compression = Literal["none", "int8", "fp8"]
-COMPRESSIONS = ("none", "int8", "fp8")
 
 # Checksums of big frames and the deflate of int8 chunks run here, beside the thread that sends; it never
 # blocks on anything, so busy I/O threads cannot starve it.

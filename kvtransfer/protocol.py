@@ -145,7 +145,7 @@ class LoadReport(Message):
     model_fingerprint: str = ""
     generation: int = 0  # incarnation of this worker id; a handoff from an older one is refused
     time_unix_s: float = Field(default_factory=time.time)
-    # Kubernetes identity, from the downward API (PDSERVE_ISVC / PDSERVE_POOL / POD_NAME / POD_NAMESPACE).
+    # Kubernetes identity: the worker's --isvc / --pool settings, POD_NAME / POD_NAMESPACE from the downward API.
     isvc: str | None = None
     pool: str | None = None
     pod: str | None = None

@@ -17,9 +17,9 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from pdserve.basetypes import KVLayout, LayoutMismatch
+from pdserve.basetypes import COMPRESSIONS, KVLayout, LayoutMismatch
 from pdserve.kvtransfer.frames import (
-    CHUNK, COMPRESSIONS, SCALES, ZCHUNK, TransferError, TransferHeader, from_token_groups, inflate, inflated_length,
+    CHUNK, SCALES, ZCHUNK, TransferError, TransferHeader, from_token_groups, inflate, inflated_length,
     tensor_bytes, wire_layer_bytes,
 )
 from pdserve.kvtransfer.layout import KVBlocks

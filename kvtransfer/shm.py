@@ -35,16 +35,17 @@ import weakref
 import numpy as np
 import torch
 
+from pdserve.config import KVReceiveConfig, KVSendConfig
 from pdserve.kvtransfer.frames import TransferError
 
 log = logging.getLogger("pdserve.kvtransfer.shm")
 
-SHM_DIR = os.environ.get("PDSERVE_SHM_DIR", "/dev/shm")
+SHM_DIR = "/dev/shm"  # Linux's POSIX shared memory, where pods mount their bounded emptyDir
 SHM_PREFIX = "pdkv-"  # per-transfer segments, named by their transfer token (`shm_path`)
 
 POOL_PREFIX = "pdkv-pool-"  # under the transfer segments' prefix "pdkv-", so one listing finds both
 MIN_SEGMENT = 1 << 20
-DEFAULT_MAX_IDLE_BYTES = int(os.environ.get("PDSERVE_SHM_POOL_BYTES", 2 << 30))
+DEFAULT_MAX_IDLE_BYTES = KVReceiveConfig().shm_pool_bytes  # decode sets its own (--shm-pool-bytes)
 
 
 def _size_class(nbytes: int) -> int:
@@ -264,14 +265,13 @@ class SenderMaps:
     (MAP_POPULATE) and unmapping it a TLB shootdown, together about as long as copying the KV in. A kept
     mapping costs nothing per transfer. A mapping pins the segment's pages even after its
     owner unlinks it, so: a mapping is checked against the file (same inode) before each use; at every
-    `acquire` the mappings of files that are gone are dropped; at most `max_bytes` (default
-    $PDSERVE_SHM_SENDER_MAP_BYTES or 2 GiB) stay mapped, least recently used dropped first; a transfer
+    `acquire` the mappings of files that are gone are dropped; at most `max_bytes` (prefill's
+    --shm-sender-map-bytes) stay mapped, least recently used dropped first; a transfer
     that fails drops its mapping (`release(ok=False)`).
     """
 
     def __init__(self, max_bytes: int | None = None):
-        self.max_bytes = int(os.environ.get("PDSERVE_SHM_SENDER_MAP_BYTES", 2 << 30)) if max_bytes is None \
-            else max_bytes
+        self.max_bytes = KVSendConfig().shm_sender_map_bytes if max_bytes is None else max_bytes
         self._lock = threading.Lock()
         self._maps: dict[str, SegmentMapping] = {}  # by the segment's path
         self.mapped = 0  # new mappings made (a kept one reused is not counted)

@@ -17,6 +17,7 @@ import zlib
 from typing import Callable
 
 from pdserve.basetypes import KVLayout, LayoutMismatch
+from pdserve.config import KVReceiveConfig
 from pdserve.kvtransfer.frames import (
     ACK, CHUNK, END, FOLLOWS, GRANT, HEADER, HELLO, MAX_CHUNK, MAX_CONTROL_FRAME, PIECE_BYTES, SHM, TCHUNK, TRAILER,
     ZCHUNK, TransferError, TransferHeader, crc32, frame, parse_header,
@@ -29,8 +30,8 @@ log = logging.getLogger("pdserve.kvtransfer.tcp")
 
 # Kept connections (see KVReceiver._serve and tcp_send.KEPT): how long a receiver keeps an idle one, and how
 # many connections it keeps open at most (each holds a worker thread)
-KEEP_IDLE_S = float(os.environ.get("PDSERVE_KV_KEEP_IDLE_S", 30.0))
-MAX_KEPT = int(os.environ.get("PDSERVE_KV_MAX_KEPT", 16))
+# (decode passes its --kv-keep-idle-s and --kv-max-kept)
+KEEP_IDLE_S, MAX_KEPT = KVReceiveConfig().keep_idle_s, KVReceiveConfig().max_kept
 
 
 def _tell(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import array
 import hashlib
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -85,6 +85,14 @@ class SamplingParams(BaseModel):
         (penalties, min_tokens, a format mask): then every position needs its own processing."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.min_tokens > 0 or self.response_format != "text")
+
+
+# --- how KV moves ---------------------------------------------------------------------------
+# The words a handoff offer, the workers' settings and the CRD share.
+
+Compression = Literal["none", "int8", "fp8"]  # of KV on the wire
+COMPRESSIONS: tuple[str, ...] = get_args(Compression)
+TRANSPORTS = ("shm", "tcp", "nats", "objstore")  # KV data paths, in a sender's usual preference
 
 
 # --- the KV layout --------------------------------------------------------------------------
