@@ -16,6 +16,9 @@ step feeds that last token again — the choices share the prompt's KV instead o
 Options whose distributions depend on the tokens before (penalties, min_tokens, JSON) are applied
 per sequence and, in a speculative step, per verified position with the drafts before it
 counted (`pdserve.processors`), so drafts are verified against what plain decoding samples from.
+
+(Longer than our ~600-line norm: admission, choice forking, the speculative step and streaming all
+act on the one running batch between two steps; split apart, each piece would need the others' state.)
 """
 from __future__ import annotations
 
