@@ -24,9 +24,9 @@ up: setup
 test: setup-test
 	$(PY) -P -m pytest $(PYTEST_ARGS)
 
-# the inner loop: every test that takes no more than a few seconds (no model, no Kubernetes)
+# the inner loop: every test that takes no more than a few seconds (no model, no Kubernetes, no client peers)
 test-fast:
-	PDSERVE_SKIP_K8S=1 bash scripts/setup.sh test
+	PDSERVE_SKIP_K8S=1 PDSERVE_SKIP_PEERS=1 bash scripts/setup.sh test
 	$(PY) -P -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup

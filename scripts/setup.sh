@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a machine into the project's own virtual environment (.venv, created here):
 #   scripts/setup.sh serve   what `make up` needs: the serving dependencies and the default model
-#   scripts/setup.sh test    what `make test` needs as well: the k8s and dev extras, the Kubernetes test tools
+#   scripts/setup.sh test    what `make test` needs as well: the k8s and dev extras, the Kubernetes test tools,
+#                            the client peers (PDSERVE_SKIP_K8S=1, PDSERVE_SKIP_PEERS=1 skip those two)
 # A venv, never the system Python: Debian and Ubuntu mark theirs externally managed (PEP 668), and a
 # user's own environment is not ours to change. Slow steps are skipped once done: pip when
 # pyproject.toml is unchanged (stamped inside the venv), the model conversion and the kube build
@@ -47,4 +48,9 @@ fi
 # Tools for the Kubernetes tests (the kube build is cached; ~17 min the first time). Not for serving.
 if [ "$what" = test ] && [ -x scripts/k8s-tools.sh ] && [ "${PDSERVE_SKIP_K8S:-0}" != 1 ]; then
   PYTHON=$PY bash scripts/k8s-tools.sh
+fi
+# The peers the client-compatibility tests drive (vLLM's CPU build and its benchmark client, guidellm),
+# each in a venv of its own under ~/.cache/pdserve/peers (~5 min the first time). Not for serving.
+if [ "$what" = test ] && [ "${PDSERVE_SKIP_PEERS:-0}" != 1 ]; then
+  "$PY" -P -c 'import runpy; p = runpy.run_path("bench/peer.py"); p["ensure_vllm"](); p["ensure_guidellm"]()'
 fi
