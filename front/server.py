@@ -380,7 +380,7 @@ class Generation:
 
     async def cancel(self, reason: str) -> None:
         try:
-            await self.front.nc.publish(Subjects.cancel(self.rid), Cancel(request_id=self.rid, reason=reason).encode())
+            await self.front.nc.publish(Subjects.cancel(self.front.scope, self.rid), Cancel(request_id=self.rid, reason=reason).encode())
         except Exception:
             pass
 
@@ -402,7 +402,7 @@ class Generation:
         f.inflight[decode.worker_id] += 1
         f.inflight_bytes[decode.worker_id] += kv_bytes
         f.m_prompt_tokens.inc(len(self.prompt_ids))
-        sub = await f.nc.subscribe(Subjects.stream(self.rid))
+        sub = await f.nc.subscribe(Subjects.stream(f.scope, self.rid))
         finished = False
         queued = None  # (prefill worker, tokens) this request adds to its queue until the first token
         try:

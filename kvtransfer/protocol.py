@@ -5,36 +5,48 @@ token streams, cancellations, failure records, and worker load reports (which do
 heartbeats and as the registry). KV bytes travel a direct data path (see `kvtransfer.tcp_send`
 and `kvtransfer.tcp_server`) whose frames are described in `kvtransfer.frames`.
 
-Versioning: every subject starts with `pdserve.v1`; every message carries `v` (the protocol
+Versioning: every subject starts with `pdserve.v2`; every message carries `v` (the protocol
 version). A receiver refuses a message of a version it does not speak with an explicit error.
+The version is in every subject's prefix, not only in the messages: processes of two versions
+then never see each other, where two subject layouts on one server would leave a request waiting
+for its timeout.
 
-Subjects (`{s}` is the deployment scope — see LoadReport.scope —, `{m}` the served model name,
-`{w}` a worker id, `{r}` a request id):
+Isolation: `{s}` (the deployment scope as one subject token, see `scope_token`) is the fourth token
+of every subject, so one NATS permission, `pdserve.v2.*.{s}.>`, confines a deployment to its own
+traffic (`permissions` writes it out, with the per-scope inbox and object-store buckets). Each
+process sets `inbox_prefix(scope)` as its reply inbox, so no other deployment may read its replies.
+
+Subjects (`{s}` the deployment scope — see LoadReport.scope —, `{m}` the served model name,
+`{w}` a worker id, `{r}` a request id, `{t}` a one-time transfer token):
 
 | subject                                  | from → to        | message                      |
 |------------------------------------------|------------------|------------------------------|
-| pdserve.v1.prefill.{s}.{m} (queue)       | front → prefill  | PrefillRequest → Ack         |
-| pdserve.v1.prefill.{s}.{m}.w.{w}         | front → prefill  | PrefillRequest → Ack (routed |
+| pdserve.v2.prefill.{s}.{m} (queue)       | front → prefill  | PrefillRequest → Ack         |
+| pdserve.v2.prefill.{s}.{m}.w.{w}         | front → prefill  | PrefillRequest → Ack (routed |
 |                                          |                  | to the worker holding the    |
 |                                          |                  | longest cached prefix)       |
-| pdserve.v1.preposition.{s}.{w}           | front → prefill  | PrepositionHint (fire and    |
+| pdserve.v2.preposition.{s}.{w}           | front → prefill  | PrepositionHint (fire and    |
 |                                          |                  | forget)                      |
-| pdserve.v1.decode.{s}.{w}.handoff        | prefill → decode | HandoffOffer → HandoffReply  |
-| pdserve.v1.stream.{r}                    | workers → front  | StreamEvent (tokens/errors)  |
-| pdserve.v1.cancel.{r}                    | front → workers  | Cancel                       |
-| pdserve.v1.load.{role}.{w}               | worker → all     | LoadReport (1 Hz; heartbeat) |
-| pdserve.v1.bye.{role}.{w}                | worker → all     | LoadReport (clean shutdown)  |
-| pdserve.v1.kv.{t}.data                   | prefill → decode | KV frames (NATS-chunked and  |
+| pdserve.v2.decode.{s}.{w}.handoff        | prefill → decode | HandoffOffer → HandoffReply  |
+| pdserve.v2.stream.{s}.{r}                | workers → front  | StreamEvent (tokens/errors)  |
+| pdserve.v2.cancel.{s}.{r}                | front → workers  | Cancel                       |
+| pdserve.v2.load.{s}.{role}.{w}           | worker → all     | LoadReport (1 Hz; heartbeat) |
+| pdserve.v2.bye.{s}.{role}.{w}            | worker → all     | LoadReport (clean shutdown)  |
+| pdserve.v2.kv.{s}.data.{t}               | prefill → decode | KV frames (NATS-chunked and  |
 |                                          |                  | object-store transports)     |
-| pdserve.v1.kv.failed.{r}                 | either side → all| TransferFailed               |
+| pdserve.v2.kv.{s}.failed.{r}             | either side → all| TransferFailed               |
 
-`{t}` is a one-time transfer token. KV transports (`HandoffOffer.transports`, chosen in
-`HandoffReply.transport`): "shm" (same host), "tcp" (direct stream), "nats" (chunked messages on
-`kv.{t}.data`, the fallback that always works), "objstore" (the JetStream object store, the offload
-tier). See `kvtransfer.channel`.
+Object-store buckets (`Buckets`) are per scope too: `pdserve-kv-{s}` (the objstore transport) and
+`pdserve-prefix-{s}` (the prefix offload tier; per scope, so one deployment cannot probe which
+prompts another has seen).
+
+KV transports (`HandoffOffer.transports`, chosen in `HandoffReply.transport`): "shm" (same host),
+"tcp" (direct stream), "nats" (chunked messages on `kv.{s}.data.{t}`, the fallback that always
+works), "objstore" (the JetStream object store, the offload tier). See `kvtransfer.channel`.
 """
 from __future__ import annotations
 
+import string
 import time
 from typing import Literal
 
@@ -42,11 +54,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.basetypes import KVLayout, SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 PREFIX = f"pdserve.v{PROTOCOL_VERSION}"
 PREFILL_QUEUE_GROUP = "prefill"
 
 Role = Literal["prefill", "decode", "front", "draft"]
+
+_SUBJECT_SAFE = frozenset(string.ascii_letters + string.digits + "-_")
 
 
 class ProtocolError(ValueError):
@@ -54,16 +68,42 @@ class ProtocolError(ValueError):
 
 
 def _safe_token(s: str) -> str:
-    # Subject tokens may not contain '.', '*', '>' or whitespace.
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in s)
+    # Subject tokens may not contain '.', '*', '>' or whitespace; bucket names allow ASCII letters,
+    # digits, '-' and '_' only, so everything else becomes '_'.
+    return "".join(c if c in _SUBJECT_SAFE else "_" for c in s) or "_"
+
+
+def scope_token(scope: str) -> str:
+    """The deployment scope as it appears in subjects, inbox prefixes and bucket names.
+
+    In Kubernetes a scope is "namespace.name": both DNS labels (no '_'), so the mapping is one to one."""
+    return _safe_token(scope)
+
+
+def inbox_prefix(scope: str) -> str:
+    """The reply inbox prefix of a deployment's processes (nats-py's `inbox_prefix`)."""
+    return f"_INBOX.{scope_token(scope)}"
+
+
+class Buckets:
+    """JetStream object-store buckets, one of each per deployment scope."""
+
+    @staticmethod
+    def kv_transfer(scope: str) -> str:
+        return f"pdserve-kv-{scope_token(scope)}"
+
+    @staticmethod
+    def prefix(scope: str) -> str:
+        return f"pdserve-prefix-{scope_token(scope)}"
 
 
 class Subjects:
-    """Subject names. Model names and ids are sanitised into single subject tokens."""
+    """Subject names. Every one carries the deployment scope as its fourth token; model names and ids
+    are sanitised into single subject tokens."""
 
     @staticmethod
     def prefill(scope: str, model: str) -> str:
-        return f"{PREFIX}.prefill.{_safe_token(scope)}.{_safe_token(model)}"
+        return f"{PREFIX}.prefill.{scope_token(scope)}.{_safe_token(model)}"
 
     @staticmethod
     def prefill_worker(scope: str, model: str, worker_id: str) -> str:
@@ -72,43 +112,79 @@ class Subjects:
 
     @staticmethod
     def preposition(scope: str, worker_id: str) -> str:
-        return f"{PREFIX}.preposition.{_safe_token(scope)}.{_safe_token(worker_id)}"
+        return f"{PREFIX}.preposition.{scope_token(scope)}.{_safe_token(worker_id)}"
 
     @staticmethod
     def decode_handoff(scope: str, worker_id: str) -> str:
-        return f"{PREFIX}.decode.{_safe_token(scope)}.{_safe_token(worker_id)}.handoff"
+        return f"{PREFIX}.decode.{scope_token(scope)}.{_safe_token(worker_id)}.handoff"
 
     @staticmethod
-    def stream(request_id: str) -> str:
-        return f"{PREFIX}.stream.{_safe_token(request_id)}"
+    def stream(scope: str, request_id: str) -> str:
+        return f"{PREFIX}.stream.{scope_token(scope)}.{_safe_token(request_id)}"
 
     @staticmethod
-    def cancel(request_id: str) -> str:
-        return f"{PREFIX}.cancel.{_safe_token(request_id)}"
-
-    CANCEL_ALL = f"{PREFIX}.cancel.*"
+    def cancel(scope: str, request_id: str) -> str:
+        return f"{PREFIX}.cancel.{scope_token(scope)}.{_safe_token(request_id)}"
 
     @staticmethod
-    def load(role: str, worker_id: str) -> str:
-        return f"{PREFIX}.load.{role}.{_safe_token(worker_id)}"
-
-    LOAD_ALL = f"{PREFIX}.load.>"
+    def cancel_all(scope: str) -> str:
+        return f"{PREFIX}.cancel.{scope_token(scope)}.*"
 
     @staticmethod
-    def bye(role: str, worker_id: str) -> str:
-        return f"{PREFIX}.bye.{role}.{_safe_token(worker_id)}"
-
-    BYE_ALL = f"{PREFIX}.bye.>"
+    def load(scope: str, role: str, worker_id: str) -> str:
+        return f"{PREFIX}.load.{scope_token(scope)}.{_safe_token(role)}.{_safe_token(worker_id)}"
 
     @staticmethod
-    def kv_data(transfer_token: str) -> str:
-        return f"{PREFIX}.kv.{_safe_token(transfer_token)}.data"
+    def load_all(scope: str) -> str:
+        return f"{PREFIX}.load.{scope_token(scope)}.>"
 
     @staticmethod
-    def kv_failed(request_id: str) -> str:
-        return f"{PREFIX}.kv.failed.{_safe_token(request_id)}"
+    def bye(scope: str, role: str, worker_id: str) -> str:
+        return f"{PREFIX}.bye.{scope_token(scope)}.{_safe_token(role)}.{_safe_token(worker_id)}"
 
-    KV_FAILED_ALL = f"{PREFIX}.kv.failed.*"
+    @staticmethod
+    def bye_all(scope: str) -> str:
+        return f"{PREFIX}.bye.{scope_token(scope)}.>"
+
+    # Every deployment's load reports and goodbyes: the metrics adapter's view (see `scope_of`).
+    LOAD_ANY = f"{PREFIX}.load.>"
+    BYE_ANY = f"{PREFIX}.bye.>"
+
+    @staticmethod
+    def kv_data(scope: str, transfer_token: str) -> str:
+        return f"{PREFIX}.kv.{scope_token(scope)}.data.{_safe_token(transfer_token)}"
+
+    @staticmethod
+    def kv_failed(scope: str, request_id: str) -> str:
+        return f"{PREFIX}.kv.{scope_token(scope)}.failed.{_safe_token(request_id)}"
+
+    @staticmethod
+    def kv_failed_all(scope: str) -> str:
+        return f"{PREFIX}.kv.{scope_token(scope)}.failed.*"
+
+    @staticmethod
+    def scope_of(subject: str) -> str | None:
+        """The scope token of a pdserve subject (the fourth token), or None for another subject."""
+        parts = subject.split(".")
+        return parts[3] if len(parts) > 4 and f"{parts[0]}.{parts[1]}" == PREFIX else None
+
+
+def permissions(scope: str) -> dict:
+    """NATS permissions that confine a deployment's processes to their own scope.
+
+    Publish and subscribe on `pdserve.v2.*.{s}.>`; replies only to requests received
+    (`allow_responses`); its own inbox; and the JetStream API, object-store and flow-control subjects
+    of its own two buckets (streams `OBJ_<bucket>`), nothing else of JetStream. In the NATS server
+    config's shape: `{"publish": {"allow": [...]}, "subscribe": {"allow": [...]}, "allow_responses": true}`."""
+    own = f"{PREFIX}.*.{scope_token(scope)}.>"
+    publish, subscribe = [own], [own, f"{inbox_prefix(scope)}.>"]
+    for bucket in (Buckets.kv_transfer(scope), Buckets.prefix(scope)):
+        stream = f"OBJ_{bucket}"
+        publish += [f"$JS.API.STREAM.*.{stream}", f"$JS.API.STREAM.*.*.{stream}",
+                    f"$JS.API.CONSUMER.*.{stream}", f"$JS.API.CONSUMER.*.{stream}.>",
+                    f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
+                    f"$O.{bucket}.>", f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+    return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}, "allow_responses": True}
 
 
 class Message(BaseModel):

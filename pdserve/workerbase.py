@@ -125,7 +125,7 @@ class WorkerBase:
     async def _heartbeat(self) -> None:
         while not self._stop.is_set():
             try:
-                await self.nc.publish(Subjects.load(self.role, self.worker_id), self.load_report().encode())
+                await self.nc.publish(Subjects.load(self.scope, self.role, self.worker_id), self.load_report().encode())
             except Exception as e:  # NATS reconnecting: the next beat will go through
                 log.debug("heartbeat not sent: %s", e)
             try:
@@ -149,7 +149,7 @@ class WorkerBase:
                  self.runner.layout.model_fingerprint, self.creds.url,
                  f", data {self.data_addr()}" if self.data_addr() else "")
         await self._stop.wait()
-        await self.nc.publish(Subjects.bye(self.role, self.worker_id), self.load_report().encode())
+        await self.nc.publish(Subjects.bye(self.scope, self.role, self.worker_id), self.load_report().encode())
         hb.cancel()
         await self.on_stop()
         for t in list(self._tasks):
