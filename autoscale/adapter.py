@@ -264,9 +264,7 @@ class MetricsAdapter:
         return int(self.reports_total.labels("malformed")._value.get())
 
     async def connect_nats(self, creds: NatsCredentials) -> None:
-        import nats
-
-        self._nc = await nats.connect(**creds.connect_kwargs(), name="pdserve-metrics-adapter", max_reconnect_attempts=-1)
+        self._nc = await creds.connect(name="pdserve-metrics-adapter", max_reconnect_attempts=-1)
 
         async def on_load(msg):
             self.on_report(msg.data, subject=msg.subject)

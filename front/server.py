@@ -65,9 +65,9 @@ class Front:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         self.max_context = int(cfg.get("max_position_embeddings", 2048))
-        self.creds = NatsCredentials.from_config(args.nats)
         self.api_key = args.api_key.get_secret_value() if args.api_key else None
         self.scope = args.deployment_scope
+        self.creds = NatsCredentials.from_config(args.nats, scope=self.scope)
         self.registry = WorkerRegistry(self.scope)
         self.nc: nats.NATS | None = None
         self.inflight: PyCounter[str] = PyCounter()  # decode worker id -> requests this front sent it
@@ -133,8 +133,7 @@ class Front:
         return app
 
     async def _startup(self, app) -> None:
-        self.nc = await nats.connect(**self.creds.connect_kwargs(), name="pdserve-front",
-                                     max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        self.nc = await self.creds.connect(name="pdserve-front", max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         await self.registry.attach(self.nc)
 
     async def _cleanup(self, app) -> None:

@@ -174,10 +174,13 @@ def permissions(scope: str) -> dict:
 
     Publish and subscribe on `pdserve.v2.*.{s}.>`; replies only to requests received
     (`allow_responses`); its own inbox; and the JetStream API, object-store and flow-control subjects
-    of its own two buckets (streams `OBJ_<bucket>`), nothing else of JetStream. In the NATS server
+    of its own two buckets (streams `OBJ_<bucket>`), nothing else of JetStream but the list of stream
+    names. In the NATS server
     config's shape: `{"publish": {"allow": [...]}, "subscribe": {"allow": [...]}, "allow_responses": true}`."""
     own = f"{PREFIX}.*.{scope_token(scope)}.>"
-    publish, subscribe = [own], [own, f"{inbox_prefix(scope)}.>"]
+    # STREAM.NAMES: nats-py finds an object's stream by subject before it reads one. It shows stream
+    # names (other deployments' bucket names, so their scopes), never a stream's contents.
+    publish, subscribe = [own, "$JS.API.STREAM.NAMES"], [own, f"{inbox_prefix(scope)}.>"]
     for bucket in (Buckets.kv_transfer(scope), Buckets.prefix(scope)):
         stream = f"OBJ_{bucket}"
         publish += [f"$JS.API.STREAM.*.{stream}", f"$JS.API.STREAM.*.*.{stream}",
@@ -185,6 +188,11 @@ def permissions(scope: str) -> dict:
                     f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
                     f"$O.{bucket}.>", f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
     return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}, "allow_responses": True}
+
+
+def observer_permissions() -> dict:
+    """NATS permissions of the metrics adapter: every deployment's load reports and goodbyes, read only."""
+    return {"publish": {"deny": [">"]}, "subscribe": {"allow": [Subjects.LOAD_ANY, Subjects.BYE_ANY]}}
 
 
 class Message(BaseModel):

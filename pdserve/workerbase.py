@@ -76,7 +76,7 @@ class WorkerBase:
         self.runner = ModelRunner(resolve_model(args.model), dtype=resolve_dtype(args.dtype, args.device),
                                   device=args.device, block_size=args.block_size, served_name=args.served_model_name)
         self.model_name = self.runner.name
-        self.creds = NatsCredentials.from_config(args.nats)
+        self.creds = NatsCredentials.from_config(args.nats, scope=self.scope)
         self.registry = CollectorRegistry()
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-compute")
         self.nc: nats.NATS | None = None
@@ -134,10 +134,8 @@ class WorkerBase:
                 pass
 
     async def run(self) -> None:
-        self.nc = await nats.connect(
-            **self.creds.connect_kwargs(), name=f"pdserve-{self.role}-{self.worker_id}",
-            max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-        )
+        self.nc = await self.creds.connect(name=f"pdserve-{self.role}-{self.worker_id}",
+                                           max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         await self.on_start()
         if self.args.metrics_port:
             start_http_server(self.args.metrics_port, registry=self.registry)
