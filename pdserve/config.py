@@ -271,6 +271,12 @@ class OperatorSettings(Settings):
     nats_secret: str | None = Field(None, description="Secret with the NATS user and password (keys user, "
                                                       "password), copied into each InferenceService's namespace")
     nats_secret_namespace: str | None = Field(None, description="its namespace (default: the operator's own)")
+    nats_users_secret: str | None = Field(None, description="Secret (in the NATS Secret's namespace) whose users.conf "
+                                                            "the chart's NATS server reads: each InferenceService "
+                                                            "then gets a NATS user of its own, confined to its "
+                                                            "scope; unset, all share the NATS Secret's credentials")
+    nats_tls_ca: str | None = Field(None, description="CA certificate (PEM file) of the NATS server, handed to the "
+                                                      "workers (TLS to NATS)")
     own_namespace: Annotated[str | None, Opt(flag=None, env="POD_NAMESPACE")] = Field(
         None, description="the operator's namespace")
     webhook_cert: str | None = Field(None, description="TLS certificate of the validating admission webhook; "

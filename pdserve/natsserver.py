@@ -179,15 +179,24 @@ class ServerTls:
     client_ca: str | None = None
 
 
+def _private_file(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 class EmbeddedNats:
     """A nats-server child process with JetStream (memory storage) and user/password auth.
 
     `creds` is the administrator (every permission); `users` are more, typically confined to one
     scope each; `tls` makes the server speak TLS only (then `ca` is the CA clients verify it by).
-    `set_users` changes the users of the running server (a config reload, as the chart's NATS does)."""
+    `users_conf`, instead of both: the whole `users` list as the chart's NATS server reads it (the
+    operator's `users.conf`), `$NATS_USER`/`$NATS_PASSWORD` in it being `creds`. `set_users` and
+    `set_users_conf` change the users of the running server (a config reload, as the chart's does)."""
 
     def __init__(self, port: int | None = None, jetstream: bool = True, store_dir: str | None = None,
-                 users: Iterable[NatsUser] = (), tls: ServerTls | None = None, ca: str | None = None):
+                 users: Iterable[NatsUser] = (), tls: ServerTls | None = None, ca: str | None = None,
+                 users_conf: str | None = None):
         self.port = port or free_port()
         self.creds = NatsCredentials(
             url=f"nats://127.0.0.1:{self.port}", user="pdserve", password=secrets.token_urlsafe(24), tls_ca=ca,
@@ -196,6 +205,7 @@ class EmbeddedNats:
         self._tmp = tempfile.mkdtemp(prefix="pdserve-nats-")
         self._store_dir = store_dir or self._tmp
         self.users = list(users)
+        self.users_conf = users_conf
         self.tls = tls
         self.proc: subprocess.Popen | None = None
 
@@ -214,23 +224,30 @@ class EmbeddedNats:
         if self.tls:
             verify = f', ca_file: "{self.tls.client_ca}", verify: true' if self.tls.client_ca else ""
             tls = f'tls {{ cert_file: "{self.tls.cert}", key_file: "{self.tls.key}"{verify} }}\n'
-        users = [NatsUser(self.creds.user, self.creds.password), *self.users]
+        users = self.users_conf or users_conf([NatsUser(self.creds.user, self.creds.password), *self.users])
+        _private_file(os.path.join(self._tmp, "users.conf"), users)
         # max_payload 8 MB: the NATS-chunked fallback transport sends chunks below this.
         cfg = (
             f"listen: 127.0.0.1:{self.port}\n"
             f"max_payload: 8MB\n"
-            f"authorization {{\n{users_conf(users)}}}\n"
+            f'authorization {{\n  include "users.conf"\n}}\n'
             f"{tls}{js}"
         )
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(cfg)
+        _private_file(path, cfg)
         return path
 
     def set_users(self, users: Iterable[NatsUser], timeout: float = 10.0) -> None:
         """Replace the extra users of the running server: rewrite its config, signal a reload, and
         return once the server's log says it reloaded."""
-        self.users = list(users)
+        self.users, self.users_conf = list(users), None
+        self._reload(timeout)
+
+    def set_users_conf(self, text: str, timeout: float = 10.0) -> None:
+        """Replace the running server's `users` list with `text` (see `users_conf`), and reload."""
+        self.users_conf = text
+        self._reload(timeout)
+
+    def _reload(self, timeout: float) -> None:
         self._write_config()
         before = self._log().count("Reloaded server configuration")
         self.proc.send_signal(signal.SIGHUP)
@@ -250,8 +267,9 @@ class EmbeddedNats:
     def start(self, timeout: float = 10.0) -> "EmbeddedNats":
         conf = self._write_config()
         out = open(self.log_path, "ab")
+        env = {**os.environ, "NATS_USER": self.creds.user, "NATS_PASSWORD": self.creds.password}
         self.proc = subprocess.Popen(
-            [nats_server_binary(), "-c", conf], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            [nats_server_binary(), "-c", conf], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -424,3 +424,29 @@ def test_the_operator_loads_neither_torch_nor_the_workers():
             "print(sorted(m for m in ('torch', 'triton', 'transformers', 'pdserve.workerbase') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_each_inferenceservice_gets_its_own_nats_user_and_the_nats_ca():
+    """With a NATS user per InferenceService: the Secret holds that user (named for its scope) and the
+    password the handler keeps, never the chart's; with TLS to NATS the pods get the CA, mounted, and
+    the setting that points at it. The pods' scope is the one the user is confined to."""
+    from pdserve.operator.natsusers import scope_of, user_name
+
+    cfg = OperatorConfig(nats_url="nats://pdserve-nats.sys:4222", nats_users=True, nats_tls_ca="-----BEGIN CA-----")
+    with pytest.raises(ValueError, match="needs its password"):
+        desired_children(isvc(), cfg)
+    children = desired_children(isvc(), cfg, nats_password="pw-of-llama")
+    data = {k: base64.b64decode(v).decode() for k, v in by_kind_name(children)[("Secret", "llama-nats")]["data"].items()}
+    assert data == {"user": user_name("ml", "llama"), "password": "pw-of-llama", "ca.crt": "-----BEGIN CA-----"}
+    assert user_name("ml", "llama") == "isvc-ml_llama" != user_name("ml-llama", "x")
+    for pool in ("prefill", "decode", "front"):
+        cfg_ = parsed(children, pool)
+        assert cfg_.nats.tls_ca == "/etc/pdserve/nats/ca.crt" and cfg_.deployment_scope == scope_of("ml", "llama")
+        pod = by_kind_name(children)[("Deployment", f"llama-{pool}")]["spec"]["template"]["spec"]
+        assert {"name": "nats-ca", "secret": {"secretName": "llama-nats", "items": [{"key": "ca.crt",
+                                                                                     "path": "ca.crt"}]}} in pod["volumes"]
+        assert {"name": "nats-ca", "mountPath": "/etc/pdserve/nats", "readOnly": True} in \
+            pod["containers"][0]["volumeMounts"]
+    # an InferenceService on a NATS of its own gets neither the user nor the CA
+    own = desired_children(isvc({"nats": {"url": "nats://ext:4222", "credentialsSecret": {"name": "ext"}}}), cfg)
+    assert ("Secret", "llama-nats") not in by_kind_name(own) and parsed(own, "decode").nats.tls_ca is None
