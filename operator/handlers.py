@@ -109,6 +109,7 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Lo
     memo.nats_users = (nats_ns, opts.nats_users_secret) if opts.nats_users_secret else None
     memo.base_config = OperatorConfig(image=opts.image, nats_url=opts.nats_url, hpa_api_version=hpa,
                                       pdb_api_version=pdb, nats_users=memo.nats_users is not None,
+                                      metrics_scraper_namespace=opts.metrics_scraper_namespace,
                                       nats_tls_ca=Path(opts.nats_tls_ca).read_text() if opts.nats_tls_ca else None)
     # with a user per InferenceService the chart's credentials are the metrics adapter's, never copied
     memo.nats_secret = (nats_ns, opts.nats_secret) if opts.nats_secret and not memo.nats_users else None

@@ -10,6 +10,10 @@ Children of an InferenceService `<n>` (all with an owner reference to it and app
   Service    <n>-decode                headless: stable DNS for decode pods' data/metrics ports
   HPA        <n>-prefill, <n>-decode   Pods-type custom metrics (autoscaling/v2 or v2beta2)
   PDB        <n>-prefill, <n>-decode   policy/v1 or policy/v1beta1
+  NetworkPolicy <n>-workers            ingress to the workers: data and metrics ports from the
+                                       InferenceService's own pods (metrics also from the scraper's
+                                       namespace, when the chart names one), nothing else
+  NetworkPolicy <n>-front              ingress to the front: its HTTP port, from anywhere
   Secret     <n>-nats                  its NATS credentials, when the spec names none: its own user,
                                        confined to its scope (`natsusers`), or with an external NATS
                                        a copy of the chart's (pods cannot read a Secret in another
@@ -52,6 +56,7 @@ class OperatorConfig:
     hpa_api_version: str = "autoscaling/v2"
     pdb_api_version: str = "policy/v1"
     cluster_domain: str = "cluster.local"
+    metrics_scraper_namespace: str | None = None  # where the Prometheus that scrapes workers' /metrics runs
 
 
 def labels(name: str, component: str | None = None) -> dict[str, str]:
@@ -397,6 +402,33 @@ def _services(body: dict, spec: dict) -> list[dict]:
     return [front, decode]
 
 
+def _network_policies(body: dict, spec: dict, config: OperatorConfig) -> list[dict]:
+    """Why the operator and not the chart: the ports and pod labels are each InferenceService's own.
+    The workers take connections only from their own deployment's pods (prefill dials decode's data
+    port); the kubelet's probes come from the node, which NetworkPolicy does not govern. Egress stays
+    open: workers dial NATS and each other, wherever NATS runs."""
+    name = body["metadata"]["name"]
+    own = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": name}}}
+    data = sorted({spec[pool]["dataPort"] for pool in POOLS})
+    ingress = [{"from": [own], "ports": [{"protocol": "TCP", "port": p} for p in (*data, METRICS_PORT)]}]
+    if config.metrics_scraper_namespace:
+        scraper = {"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": config.metrics_scraper_namespace}}}
+        ingress.append({"from": [scraper], "ports": [{"protocol": "TCP", "port": METRICS_PORT}]})
+    workers = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(body, f"{name}-workers", None),
+        "spec": {"podSelector": {"matchLabels": own["podSelector"]["matchLabels"], "matchExpressions": [
+                     {"key": "app.kubernetes.io/component", "operator": "In", "values": list(POOLS)}]},
+                 "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+    front = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(body, f"{name}-front", "front"),
+        "spec": {"podSelector": {"matchLabels": selector_labels(name, "front")}, "policyTypes": ["Ingress"],
+                 "ingress": [{"ports": [{"protocol": "TCP", "port": spec["serving"]["port"]}]}]},
+    }
+    return [workers, front]
+
+
 def desired_children(body: dict, config: OperatorConfig, observed: dict[str, int] | None = None,
                      nats_password: str | None = None) -> list[dict]:
     """All child objects one InferenceService should have, in apply order.
@@ -424,6 +456,7 @@ def desired_children(body: dict, config: OperatorConfig, observed: dict[str, int
     for pool in (*POOLS, "front"):
         out.append(_deployment(body, spec, config, pool))
     out += _services(body, spec)
+    out += _network_policies(body, spec, config)
     for pool in POOLS:
         a = spec[pool]["autoscaling"]
         if a["enabled"]:

@@ -277,6 +277,10 @@ class OperatorSettings(Settings):
                                                             "scope; unset, all share the NATS Secret's credentials")
     nats_tls_ca: str | None = Field(None, description="CA certificate (PEM file) of the NATS server, handed to the "
                                                       "workers (TLS to NATS)")
+    metrics_scraper_namespace: str | None = Field(None, description="namespace of the Prometheus that scrapes the "
+                                                                    "workers' /metrics: the only one, beside the "
+                                                                    "InferenceService's own pods, that the workers' "
+                                                                    "NetworkPolicy admits to it")
     own_namespace: Annotated[str | None, Opt(flag=None, env="POD_NAMESPACE")] = Field(
         None, description="the operator's namespace")
     webhook_cert: str | None = Field(None, description="TLS certificate of the validating admission webhook; "

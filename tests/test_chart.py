@@ -25,7 +25,7 @@ NON_DEFAULT = ["--set", "nats.enabled=false", "--set", "nats.external.url=nats:/
                "--set", "nats.external.existingSecret=infra-nats", "--set", "webhook.enabled=false",
                "--set", "operator.watchNamespaces={ml,research}", "--set", "operator.verbose=true",
                "--set", "image.tag=0.1.1", "--set", "serviceAccount.name=pdserve-op",
-               "--set", "operator.podAnnotations.team=ml",
+               "--set", "operator.podAnnotations.team=ml", "--set", "operator.metricsScraperNamespace=monitoring",
                "--set", "metricsAdapter.enabled=true", "--set", "metricsAdapter.registerExternalMetrics=false"]
 
 
@@ -142,6 +142,7 @@ def test_non_default_render_uses_external_nats_and_no_webhook():
     c = op["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["PDSERVE_NATS_URL"] == "nats://nats.infra:4222" and env["PDSERVE_NATS_SECRET"] == "infra-nats"
+    assert env["PDSERVE_METRICS_SCRAPER_NAMESPACE"] == "monitoring"  # the workers' NetworkPolicy admits it
     assert c["args"] == ["--namespace=ml", "--namespace=research", "--verbose"]
     assert c["image"] == "ghcr.io/pdserve/pdserve:0.1.1"
     assert op["spec"]["template"]["spec"]["serviceAccountName"] == "pdserve-op"
