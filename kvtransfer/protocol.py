@@ -50,7 +50,7 @@ import string
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from pdserve.basetypes import KVLayout, SamplingParams
 
@@ -196,9 +196,11 @@ def observer_permissions() -> dict:
 
 
 class Message(BaseModel):
-    """Base of every control message: versioned, strict about unknown fields."""
+    """Base of every control message: versioned, strict about unknown fields, no NaN or infinity (a
+    load of NaN would poison the router's and the autoscaler's arithmetic); counts and sizes are
+    non-negative."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
@@ -227,7 +229,7 @@ class LoadReport(Message):
     role: Role
     model: str
     model_fingerprint: str = ""
-    generation: int = 0  # incarnation of this worker id; a handoff from an older one is refused
+    generation: NonNegativeInt = 0  # incarnation of this worker id; a handoff from an older one is refused
     time_unix_s: float = Field(default_factory=time.time)
     # Kubernetes identity: the worker's --isvc / --pool settings, POD_NAME / POD_NAMESPACE from the downward API.
     isvc: str | None = None
@@ -236,15 +238,15 @@ class LoadReport(Message):
     namespace: str | None = None
     data_addr: str | None = None  # "host:port" of the worker's direct KV data server
     # Load. Prefill: queue of prompts not yet started. Decode: sequences running/waiting.
-    queue_depth: int = 0
+    queue_depth: NonNegativeInt = 0
     queue_wait_seconds: float = 0.0
-    running: int = 0
-    waiting: int = 0
+    running: NonNegativeInt = 0
+    waiting: NonNegativeInt = 0
     kv_utilization: float = 0.0  # 0..1 of the worker's KV capacity in use
-    kv_bytes_used: int = 0
-    kv_bytes_capacity: int = 0
-    transfer_backlog_handoffs: int = 0
-    transfer_backlog_bytes: int = 0
+    kv_bytes_used: NonNegativeInt = 0
+    kv_bytes_capacity: NonNegativeInt = 0
+    transfer_backlog_handoffs: NonNegativeInt = 0
+    transfer_backlog_bytes: NonNegativeInt = 0
     ttft_seconds: float = 0.0  # recent mean, prefill side
     itl_seconds: float = 0.0  # recent mean inter-token latency, decode side
     tokens_per_second: float = 0.0
@@ -253,11 +255,11 @@ class LoadReport(Message):
     # Prefill: prompt tokens accepted but not yet computed (the router's load signal), and the
     # prefix cache's contents — `basetypes.announced()` addresses of cached full blocks of `block_size`
     # tokens, most recently used first, at most a few thousand.
-    queue_tokens: int = 0
-    block_size: int = 0
+    queue_tokens: NonNegativeInt = 0
+    block_size: NonNegativeInt = 0
     cached_blocks: list[str] = Field(default_factory=list)
-    preposition_hits: int = 0
-    preposition_computed: int = 0
+    preposition_hits: NonNegativeInt = 0
+    preposition_computed: NonNegativeInt = 0
     # The deployment this worker belongs to (an InferenceService: "namespace.name"; locally, one
     # `pdserve up`). Prefill queues and handoff subjects are per scope, so two deployments of the
     # same model on one NATS never take each other's requests.
@@ -307,15 +309,15 @@ class HandoffOffer(Message):
 
     request_id: str
     sender_id: str
-    sender_generation: int
+    sender_generation: NonNegativeInt
     layout: KVLayout
-    num_tokens: int
-    kv_bytes: int
+    num_tokens: NonNegativeInt
+    kv_bytes: NonNegativeInt
     prompt_token_ids: list[int]
     generated_token_ids: list[int]  # what prefill already produced (the first token)
     sampling: SamplingParams
     seed: int
-    next_seq: int  # sequence number of the next StreamEvent
+    next_seq: NonNegativeInt  # sequence number of the next StreamEvent
     failure_policy: FailurePolicy = "recompute"
     spec: dict | None = None
     # KV transport negotiation (all optional: an offer without them means direct TCP, uncompressed).
@@ -353,7 +355,7 @@ class TransferFailed(Message):
     side: Literal["sender", "receiver"]
     transport: str
     reason: str
-    bytes_done: int = 0
+    bytes_done: NonNegativeInt = 0
     time_unix_s: float = Field(default_factory=time.time)
 
 
@@ -372,7 +374,7 @@ class StreamEvent(Message):
     """
 
     request_id: str
-    seq: int
+    seq: NonNegativeInt
     kind: Literal["token", "handoff", "done", "error"]
     worker_id: str
     token_ids: list[int] = Field(default_factory=list)
@@ -382,7 +384,7 @@ class StreamEvent(Message):
     error: str | None = None
     error_type: str | None = None
     status: int | None = None
-    kv_bytes: int | None = None
+    kv_bytes: NonNegativeInt | None = None
     kv_seconds: float | None = None
     cached_tokens: int | None = None  # first token event: prompt tokens served from the prefix cache
     prepositioned: bool | None = None  # … of which some were computed ahead by pre-positioning
