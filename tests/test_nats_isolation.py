@@ -22,6 +22,7 @@ from pdserve.natsserver import EmbeddedNats, NatsUser, ServerTls
 
 A, B = "ns-a.llama", "ns-b.llama"
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=3, kv_heads=2, head_dim=8, dtype="float32", block_size=4)
+BOUND_S = 30  # how long an awaited message may take: a bound on a hang, generous for a loaded host
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ class Client:
         """Wait (bounded) until the server reports a permission violation naming `what`."""
         while not any(what.lower() in e for e in self.errors):
             self.violation.clear()
-            await asyncio.wait_for(self.violation.wait(), 5)
+            await asyncio.wait_for(self.violation.wait(), BOUND_S)
 
 
 def _as(tenants, user: str, password: str, scope: str | None):
@@ -84,7 +85,7 @@ def test_a_deployment_cannot_reach_another(tenants):
         for s in b_subjects:
             await a.nc.publish(s, b"from a")
         await a.nc.publish(Subjects.stream(A, "marker"), b"a's own")  # after the others, on one connection
-        await asyncio.wait_for(marker.wait(), 5)
+        await asyncio.wait_for(marker.wait(), BOUND_S)
         for s in b_subjects:
             await a.violated(f"Publish to \"{s}\"")
         assert not set(b_subjects) & set(seen_by_admin), "a message of A reached B's subjects"
@@ -106,10 +107,10 @@ def test_a_deployment_cannot_reach_another(tenants):
 
         await b.nc.subscribe(Subjects.decode_handoff(B, "d0"), cb=answer)
         await b.nc.flush()
-        assert (await b.nc.request(Subjects.decode_handoff(B, "d0"), b"offer", timeout=5)).data == b"b's reply"
+        assert (await b.nc.request(Subjects.decode_handoff(B, "d0"), b"offer", timeout=BOUND_S)).data == b"b's reply"
         await admin.publish(Subjects.stream(B, "r1"), b"for b")
         await admin.publish(Subjects.stream(A, "mine"), b"for a")
-        assert (await own.next_msg(5)).data == b"for a"
+        assert (await own.next_msg(BOUND_S)).data == b"for a"
         assert got == [], "A received B's traffic"
 
         # B's object-store buckets: not even their stream's info
@@ -176,7 +177,7 @@ def test_the_metrics_adapter_reads_every_deployment_and_speaks_for_none(tenants)
         await a.nc.publish(Subjects.load(A, "decode", "w1"), mine.encode())
         await a.nc.publish(Subjects.load(A, "decode", "w2"), forged.encode())
         for _ in range(2):
-            msg = await asyncio.wait_for(got.get(), 5)
+            msg = await asyncio.wait_for(got.get(), BOUND_S)
             adapter.on_report(msg.data, subject=msg.subject)
         await obs.nc.publish(Subjects.load(B, "decode", "w3"), mine.encode())
         await obs.violated("Publish to")
@@ -202,7 +203,7 @@ def test_tls_to_nats_verifies_the_server(tmp_path):
         nc = await server.creds.connect(wait_s=5)
         sub = await nc.subscribe(Subjects.stream(A, "r"))
         await nc.publish(Subjects.stream(A, "r"), b"over tls")
-        data = (await sub.next_msg(5)).data
+        data = (await sub.next_msg(BOUND_S)).data
         tls_used = nc._transport._io_writer.get_extra_info("ssl_object") is not None  # nats-py's TCP transport
         await nc.close()
         outcomes = []
