@@ -135,6 +135,18 @@ def table(results: list[dict], workloads, a, name: str, clock: str) -> list[dict
     return summary
 
 
+def calibration_note(model_dir, max_k: int) -> str:
+    """What the decode worker's calibration chose on this machine (the same cached profile it loads at
+    start, measured here first if there is none yet): step cost and weight layout per row count."""
+    from pdserve.engine.calibrate import calibrated
+    from pdserve.engine.runner import PagedRunner
+
+    engine = PagedRunner(model_dir, num_blocks=64, prefix_cache=False)
+    prof = calibrated(engine, max_k=max_k)
+    del engine
+    return "calibration: " + prof.summary()
+
+
 def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -156,6 +168,7 @@ def main() -> int:
     workloads = get_workloads(a.workloads)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    print(calibration_note(model_dir, a.max_k), flush=True)
     results = []
     with LocalCluster(str(model_dir), worker_args={"decode": ["--spec-method", "ngram", "--spec-max-k", str(a.max_k)]}) as c:
         decode_pid = c.procs["decode-0"].pid
