@@ -27,6 +27,8 @@ Subjects (`{s}` is the deployment scope — see LoadReport.scope —, `{m}` the 
 | pdserve.v1.kv.{t}.data                   | prefill → decode | KV frames (NATS-chunked and  |
 |                                          |                  | object-store transports)     |
 | pdserve.v1.kv.failed.{r}                 | either side → all| TransferFailed               |
+| pdserve.v1.draft.{s}.{m} (queue)         | decode → pool    | DraftRequest → DraftReply    |
+| pdserve.v1.draft.{s}.{m}.report          | decode → pools   | DraftReport (fire and forget)|
 
 `{t}` is a one-time transfer token. KV transports (`HandoffOffer.transports`, chosen in
 `HandoffReply.transport`): "shm" (same host), "tcp" (direct stream), "nats" (chunked messages on
@@ -109,6 +111,16 @@ class Subjects:
         return f"{PREFIX}.kv.failed.{_safe_token(request_id)}"
 
     KV_FAILED_ALL = f"{PREFIX}.kv.failed.*"
+
+    @staticmethod
+    def draft(scope: str, model: str) -> str:
+        """The draft pool's request subject for a model's drafts (a queue group: one pool replica answers)."""
+        return f"{PREFIX}.draft.{_safe_token(scope)}.{_safe_token(model)}"
+
+    @staticmethod
+    def draft_report(scope: str, model: str) -> str:
+        """Where decode workers report finished requests' tokens to every draft pool replica."""
+        return f"{Subjects.draft(scope, model)}.report"
 
 
 class Message(BaseModel):
@@ -307,3 +319,34 @@ class StreamEvent(Message):
 class Cancel(Message):
     request_id: str
     reason: str = "client went away"
+
+
+class DraftRequest(Message):
+    """decode → draft pool: propose up to `k` tokens to follow `tail` (the last tokens of the request's
+    prompt + output), from text of `tenant` only. A pool drops a request that waited past `timeout_ms`."""
+
+    request_id: str
+    tenant: str
+    tail: list[int] = Field(max_length=1024)
+    k: int = Field(ge=1, le=64)
+    timeout_ms: float = Field(gt=0)
+
+
+class DraftReply(Message):
+    """draft pool → decode: `token_ids` (maybe empty) follow an earlier occurrence of the tail's last
+    `match_len` tokens; `batch_size`: requests the pool answered in the same pass; `overloaded`: the pool
+    shed this request (ask again later)."""
+
+    request_id: str
+    token_ids: list[int]
+    match_len: int = 0
+    batch_size: int = 1
+    overloaded: bool = False
+
+
+class DraftReport(Message):
+    """decode → draft pools: a finished request's tokens (prompt + output) join `tenant`'s index."""
+
+    request_id: str
+    tenant: str
+    token_ids: list[int]
