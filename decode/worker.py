@@ -149,6 +149,8 @@ class DecodeWorker(WorkerBase):
                                        registry=r)
         self.m_spec_rate = Histogram("pdserve_spec_acceptance_rate", "accepted/proposed per verified step",
                                      registry=r, buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
+        if hasattr(self.drafter, "stats") and hasattr(self.drafter.stats, "collect"):
+            r.register(self.drafter.stats)  # the draft pool's asks, round trips and acceptance by drafter
         self.m_spec_k = Histogram("pdserve_spec_chosen_k", "speculation length chosen per step", registry=r,
                                   buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
 
@@ -161,7 +163,7 @@ class DecodeWorker(WorkerBase):
             return make_drafter("draft", path=str(resolve_model(args.spec.draft_model)),
                                 target_tokenizer=self.runner.tokenizer, run_in_thread=True)
         if args.spec.draft_pool:  # DecodeConfig makes sure the method is ngram
-            from pdserve.draftpool.client import PoolDrafter
+            from pdserve.decode.pool_drafter import PoolDrafter
 
             # the pool may take at most a quarter of a plain step: a slow pool costs little, a dead one nothing
             return PoolDrafter(make_drafter("ngram"), tenant_of=self._tenant, timeout_s=args.spec.draft_pool_timeout,

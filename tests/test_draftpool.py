@@ -14,10 +14,11 @@ import urllib.request
 
 import nats
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.config import DraftPoolConfig
 from pdserve.decode.drafters import NgramDrafter, brute_force_ngram_proposal
-from pdserve.draftpool.client import PoolDrafter
+from pdserve.decode.pool_drafter import PoolDrafter
 from pdserve.draftpool.index import SuffixIndex
 from pdserve.draftpool.server import DraftPool
 from pdserve.kvtransfer.protocol import DraftReply, DraftRequest
@@ -130,6 +131,11 @@ def test_pool_drafts_a_tenants_requests_from_its_earlier_requests_only(nats_serv
         acme.trim("new-a", len(d.token_ids))
         acme.feedback("new-a", len(d.token_ids), tool_call[12:12 + len(d.token_ids) + 1])
         assert acme.stats.draft_tokens["pool"] == len(d.token_ids) == acme.stats.accepted_tokens["pool"]
+        registry = CollectorRegistry()
+        registry.register(acme.stats)  # what the decode worker exports
+        text = generate_latest(registry).decode()
+        assert f'pdserve_spec_drafter_accepted_tokens_total{{drafter="pool"}} {len(d.token_ids)}.0' in text
+        assert f'pdserve_spec_pool_asks_total{{outcome="answered"}} {answered + 1}.0' in text
         await pool.close()
         for nc in (nc_pool, nc_a, nc_b):
             await nc.close()

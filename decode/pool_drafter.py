@@ -26,12 +26,12 @@ from typing import Callable, Sequence
 from pdserve.decode.drafters import Draft, NgramDrafter
 from pdserve.kvtransfer.protocol import DraftReply, DraftReport, DraftRequest, ProtocolError, Subjects
 
-log = logging.getLogger("pdserve.draftpool.client")
+log = logging.getLogger("pdserve.decode.pool")
 
 SOURCES = ("local", "pool")
 
 
-@dataclass
+@dataclass(eq=False)  # registered with Prometheus as a collector: hashed by identity
 class PoolStats:
     """Plain counters (the worker exports them): asks of the pool by outcome, draft and accepted tokens
     by source (acceptance by drafter), round-trip seconds of answered asks, and pool batch sizes seen."""
@@ -46,6 +46,23 @@ class PoolStats:
     def acceptance(self, source: str) -> float:
         d = self.draft_tokens[source]
         return self.accepted_tokens[source] / d if d else 0.0
+
+    def collect(self):
+        """Prometheus collector protocol: the counters as `pdserve_spec_pool_*` and `pdserve_spec_drafter_*`."""
+        from prometheus_client.core import CounterMetricFamily, SummaryMetricFamily
+
+        asks = CounterMetricFamily("pdserve_spec_pool_asks", "asks of the draft pool by outcome", labels=["outcome"])
+        for outcome in ("answered", "timeout", "unavailable", "overloaded", "error", "skipped"):
+            asks.add_metric([outcome], self.asks[outcome])
+        yield asks
+        for name, counts, doc in (("draft_tokens", self.draft_tokens, "draft tokens verified, by drafter"),
+                                  ("accepted_tokens", self.accepted_tokens, "draft tokens accepted, by drafter")):
+            fam = CounterMetricFamily(f"pdserve_spec_drafter_{name}", doc, labels=["drafter"])
+            for source in SOURCES:
+                fam.add_metric([source], counts[source])
+            yield fam
+        yield SummaryMetricFamily("pdserve_spec_pool_rtt_seconds", "round trip of answered draft pool asks",
+                                  count_value=self.rtt_count, sum_value=self.rtt_seconds_total)
 
 
 class PoolDrafter:
