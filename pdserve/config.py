@@ -137,7 +137,7 @@ class SpeculationConfig(Settings):
         False, description="also ask the deployment's draft pool (pdserve draftpool) for drafts from every "
                            "request's text (method ngram); local drafts when it is slow, overloaded or gone")
     draft_pool_timeout: Annotated[float, Opt(flag="draft-pool-timeout")] = Field(
-        0.02, gt=0, le=5, description="most seconds a step waits for the pool's draft (less where a quarter of "
+        0.02, gt=0, description="most seconds a step waits for the pool's draft (less where a quarter of "
                                       "a plain step is less)")
     calibrate: bool = Field(
         True, description="measure the engine step's cost per row count and its fastest weight layout on this "

@@ -296,3 +296,13 @@ def test_decode_with_the_pool_equals_plain_greedy_and_survives_its_death(nats_se
             after, _ = _complete(c.url, AGENT, tenant=tenant)
             assert after == plain
         assert c.procs["decode-0"].poll() is None
+
+
+def test_draft_pool_needs_prompt_lookup_beside_it(capsys):
+    from pdserve.config import DecodeConfig, load
+
+    with pytest.raises(SystemExit):
+        load(DecodeConfig, ["--draft-pool"], {}, prog="pdserve decode")
+    assert "--draft-pool drafts beside prompt lookup: it needs --spec-method ngram" in capsys.readouterr().err
+    cfg = load(DecodeConfig, ["--draft-pool", "--spec-method", "ngram", "--draft-pool-timeout", "0.005"], {})
+    assert cfg.spec.draft_pool and cfg.spec.draft_pool_timeout == 0.005
