@@ -117,6 +117,8 @@ class DecodeWorker(WorkerBase):
             from pdserve.engine.calibrate import calibrated
 
             self.step_profile = calibrated(self.engine, max_k=self.spec_max_k)
+            if hasattr(model := getattr(self.engine, "model", None), "release_unplanned_layouts"):
+                model.release_unplanned_layouts()
         self.controller = SpeculationController(method=args.spec.method, latency=LatencyModel(
             step_costs=self.step_profile.cost if self.step_profile else None))
         # The fused Triton verifier on GPUs; the torch reference (same function) on the CPU.

@@ -227,9 +227,9 @@ class DecodeConfig(WorkerConfig):
         "auto", description="paged: block pool + batched steps (Llama-family); dense: per-sequence caches; auto: "
                             "paged where it applies")
     cpu_weight_layouts: bool = Field(
-        True, description="on the CPU, keep two more copies of the weights that make steps of 2-12 rows "
-                          "(speculative verification, small batches) cheaper; off saves that memory (2x the "
-                          "model's projection weights)")
+        True, description="on the CPU, keep up to two more copies of the weights that make steps of 2-12 rows "
+                          "(speculative verification, small batches) cheaper (with --spec-calibrate, only those "
+                          "measured faster here); off saves that memory (up to 2x the model's projection weights)")
     spec: SpeculationConfig = Field(default_factory=SpeculationConfig)
     kv: KVReceiveConfig = Field(default_factory=KVReceiveConfig)
 

@@ -142,3 +142,17 @@ def test_calibrated_caches_by_key(runner, tmp_path, monkeypatch):
     if first.layouts:
         assert runner.model.output.plan == first.plan()  # ... and set the cached plan again
     assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_layouts_the_plan_never_uses_are_released(model_dir):
+    from pdserve.engine.runner import PagedRunner
+
+    r = PagedRunner(model_dir, num_blocks=16, prefix_cache=False)
+    if r.model.step_layouts() == ("t",):
+        pytest.skip("this CPU's torch keeps no extra layouts")
+    r.model.set_step_plan(("t", "t", "rows", "rows"))
+    r.model.release_unplanned_layouts()
+    assert r.model.step_layouts() == ("t", "rows")
+    r.prefill("s", list(range(100, 120)))
+    (logits,) = r.step([("s", [1, 2, 3, 4, 5, 6])])  # past the plan: x @ W_t
+    assert logits.shape[0] == 6 and torch.isfinite(logits).all()
