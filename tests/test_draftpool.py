@@ -176,7 +176,7 @@ def test_a_gone_or_silent_pool_costs_one_deadline_then_nothing(nats_server):
     async def main():
         nc = await _connect(nats_server)
         local_only = NgramDrafter().propose_now("x", context, 4).token_ids
-        gone = _drafter("t")
+        gone = _drafter("t", min_backoff_s=600.0)  # a back-off no slow machine outlasts between two proposes
         gone.attach(nc, "nobody-here", "m")
         assert (await gone.propose("r", context, 4)).token_ids == local_only
         assert gone.stats.asks["unavailable"] == 1
@@ -184,7 +184,7 @@ def test_a_gone_or_silent_pool_costs_one_deadline_then_nothing(nats_server):
         assert gone.stats.asks["skipped"] == 1  # backing off: not asked again
 
         silent_sub = await nc.subscribe("pdserve.v1.draft.silent.m", queue="draftpool")  # takes asks, never answers
-        silent = PoolDrafter(NgramDrafter(), tenant_of=lambda rid: "t", timeout_s=0.05)
+        silent = PoolDrafter(NgramDrafter(), tenant_of=lambda rid: "t", timeout_s=0.05, min_backoff_s=600.0)
         silent.attach(nc, "silent", "m")
         assert (await silent.propose("r", context, 4)).token_ids == local_only
         assert silent.stats.asks["timeout"] == 1
