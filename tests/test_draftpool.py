@@ -11,6 +11,7 @@ import json
 import random
 import time
 import urllib.request
+import uuid
 
 import nats
 import pytest
@@ -87,7 +88,8 @@ def test_brute_force_reference_agrees_with_the_local_drafter_it_complements():
 
 
 def pool_config(**kw) -> DraftPoolConfig:
-    return DraftPoolConfig(scope="test-pool", served_model_name="m", **kw)
+    """A pool of a scope of its own: no other test's pool or asker shares its subjects."""
+    return DraftPoolConfig(scope=f"test-pool-{uuid.uuid4().hex[:8]}", served_model_name="m", **kw)
 
 
 async def _connect(nats_server):
@@ -114,8 +116,8 @@ def test_pool_drafts_a_tenants_requests_from_its_earlier_requests_only(nats_serv
         pool = DraftPool(pool_config())
         await pool.start(nc_pool)
         acme, globex = _drafter("acme"), _drafter("globex")
-        acme.attach(nc_a, "test-pool", "m")
-        globex.attach(nc_b, "test-pool", "m")
+        acme.attach(nc_a, pool.cfg.deployment_scope, "m")
+        globex.attach(nc_b, pool.cfg.deployment_scope, "m")
         await _report_and_wait(pool, acme, "earlier", [1, 2, 3] + tool_call)
 
         context = [9, 9, 4] + tool_call[:12]  # a new request starts the same tool call
@@ -150,7 +152,7 @@ def test_pool_answers_concurrent_asks_in_one_batch(nats_server):
         await pool.start(nc_pool, serve=False)  # passes run when the test says
         pool.index.add("t", "doc", list(range(200, 260)))
         asks = [asyncio.create_task(nc.request(
-            "pdserve.v1.draft.test-pool.m", DraftRequest(request_id=f"r{i}", tenant="t", tail=[200 + i, 201 + i],
+            pool.subject, DraftRequest(request_id=f"r{i}", tenant="t", tail=[200 + i, 201 + i],
                                                        k=3, timeout_ms=60_000).encode(), timeout=60))
             for i in range(8)]
         while pool.waiting < 8:
@@ -202,11 +204,11 @@ def test_an_overloaded_pool_sheds_asks(nats_server):
         pool = DraftPool(pool_config(max_queue=1))
         await pool.start(nc_pool, serve=False)
         req = lambda i: DraftRequest(request_id=f"r{i}", tenant="t", tail=[1, 2], k=2, timeout_ms=60_000).encode()  # noqa: E731
-        first = asyncio.create_task(nc.request("pdserve.v1.draft.test-pool.m", req(0), timeout=60))
+        first = asyncio.create_task(nc.request(pool.subject, req(0), timeout=60))
         while pool.waiting < 1:
             await pool.arrived.wait()
             pool.arrived.clear()
-        shed = DraftReply.decode((await nc.request("pdserve.v1.draft.test-pool.m", req(1), timeout=60)).data)
+        shed = DraftReply.decode((await nc.request(pool.subject, req(1), timeout=60)).data)
         assert shed.overloaded and shed.token_ids == []
         await pool.serve_once()
         assert not DraftReply.decode((await first).data).overloaded
