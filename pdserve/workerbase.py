@@ -84,7 +84,7 @@ class WorkerBase:
         self.runner = ModelRunner(resolve_model(args.model), dtype=resolve_dtype(args.dtype, args.device),
                                   device=args.device, block_size=args.block_size, served_name=args.served_model_name)
         self.model_name = self.runner.name
-        self.creds = NatsCredentials.from_config(args.nats)
+        self.creds = NatsCredentials.from_config(args.nats, scope=self.scope)
         self.registry = CollectorRegistry()
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-compute")
         self.nc: nats.NATS | None = None
@@ -148,7 +148,7 @@ class WorkerBase:
         # beats until cancelled, draining included: the front follows the requests a draining worker holds
         while True:
             try:
-                await self.nc.publish(Subjects.load(self.role, self.worker_id), self.load_report().encode())
+                await self.nc.publish(Subjects.load(self.scope, self.role, self.worker_id), self.load_report().encode())
             except Exception as e:  # NATS reconnecting: the next beat will go through
                 log.debug("heartbeat not sent: %s", e)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
@@ -157,10 +157,8 @@ class WorkerBase:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):  # first, so that a stop at any moment from here is orderly
             loop.add_signal_handler(sig, self._stop.set)
-        connect = asyncio.ensure_future(nats.connect(
-            **self.creds.connect_kwargs(), name=f"pdserve-{self.role}-{self.worker_id}",
-            max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-        ))
+        connect = asyncio.ensure_future(self.creds.connect(name=f"pdserve-{self.role}-{self.worker_id}",
+                                                           max_reconnect_attempts=-1, reconnect_time_wait=0.5))
         stopped = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not connect.done():  # told to stop before NATS answered: nothing was taken yet
@@ -192,7 +190,7 @@ class WorkerBase:
         """Say `bye` (routers stop sending work), stop taking work, and let what is held finish until
         `deadline` (event-loop time); `on_stop` then fails whatever remains."""
         try:
-            await self.nc.publish(Subjects.bye(self.role, self.worker_id), self.load_report().encode())
+            await self.nc.publish(Subjects.bye(self.scope, self.role, self.worker_id), self.load_report().encode())
             await asyncio.wait_for(self.nc.flush(), max(0.05, min(0.5, deadline - asyncio.get_running_loop().time())))
         except Exception as e:  # NATS gone: nobody is routing to us anyway
             log.info("bye not delivered: %s", e)

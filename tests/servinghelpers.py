@@ -128,7 +128,7 @@ def stream_subjects() -> str:
     """The NATS subject pattern of every request's event stream."""
     from pdserve.kvtransfer.protocol import Subjects
 
-    return Subjects.stream("x").rsplit(".", 1)[0] + ".*"
+    return Subjects.stream("x", "y").split(".stream.")[0] + ".stream.>"  # every scope's
 
 
 def decoded_by(worker_id: str):
