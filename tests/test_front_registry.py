@@ -75,7 +75,7 @@ def test_a_draining_worker_is_followed_but_never_picked(nats_server):
 
             async def send(subject_of, gen):
                 r = LoadReport(worker_id="d1", role="decode", model="m", scope="s", generation=gen)
-                await nc.publish(subject_of("decode", "d1"), r.encode())
+                await nc.publish(subject_of("s", "decode", "d1"), r.encode())
 
             def state(name):
                 return name, reg.pick_decode("m") is not None, reg.is_alive("decode", "d1")
