@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+# The checkout's bench/ scripts are importable from tests (`from bench.sse import ...`). Appended, not
+# prepended: the checkout's operator/ folder must never shadow the standard library's `operator`.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 # Kernels run on the CPU through Triton's interpreter; it must be set before kernel modules import.
 os.environ.setdefault("TRITON_INTERPRET", "1")
