@@ -4,14 +4,19 @@ A KV cache here is a list of blocks of `block_size` tokens. One layer's KV is a 
 `[num_blocks, 2, kv_heads, block_size, head_dim]` (2 = keys, values); the last block is
 padded with zeros past `num_tokens`. Everything that moves, caches, compresses or pages KV
 works on these blocks. The `KVLayout` names what a receiver must agree with before it
-accepts a single byte: same model (fingerprint), same shape, same dtype, same block size.
+accepts a single byte: same model (fingerprint), same shape, same dtype, same block size, and
+per layer the same attention (full, or a sliding window of how many tokens).
+
+A sliding-window layer's next query sees only the last `window - 1` cached tokens, so a handoff
+carries only the blocks that hold them (`KVLayout.layer_blocks`, `KVBlocks.for_handoff`); the
+receiver places them at the end of the sequence's blocks and never reads the ones before.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 _DTYPES = {
     "float32": torch.float32,
@@ -31,10 +36,28 @@ class KVLayout(BaseModel):
 
     model_fingerprint: str
     num_layers: int
-    kv_heads: int
-    head_dim: int
+    kv_heads: int  # every layer's (one pool holds all layers)
+    head_dim: int  # every layer's, keys and values alike
     dtype: str  # one of _DTYPES
     block_size: int  # tokens per block
+    # per layer: its sliding window in tokens (a query at position i sees positions i - window + 1 .. i), or
+    # 0 for full attention; all 0 when not given
+    layer_windows: tuple[int, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _all_full_by_default(cls, data):
+        if isinstance(data, dict) and not data.get("layer_windows") and isinstance(data.get("num_layers"), int):
+            data = {**data, "layer_windows": (0,) * data["num_layers"]}
+        return data
+
+    @model_validator(mode="after")
+    def _one_window_per_layer(self) -> "KVLayout":
+        if len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        if any(w < 0 for w in self.layer_windows):
+            raise ValueError(f"layer_windows must be >= 0 (0 = full attention), got {self.layer_windows}")
+        return self
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -48,16 +71,36 @@ class KVLayout(BaseModel):
     def num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def attention(self, layer: int) -> str:
+        """Layer `layer`'s attention in words: "full" or "sliding window of N"."""
+        w = self.layer_windows[layer]
+        return f"sliding window of {w}" if w else "full"
+
+    def layer_blocks(self, layer: int, num_tokens: int) -> int:
+        """How many blocks of layer `layer` a handoff of `num_tokens` carries: all of them for full attention;
+        for a sliding window, the last ones, from the block holding the first position the next query sees."""
+        nb = self.num_blocks(num_tokens)
+        w = self.layer_windows[layer]
+        if not w:
+            return nb
+        return nb - max(0, num_tokens - w + 1) // self.block_size
+
     def payload_bytes(self, num_tokens: int) -> int:
-        return self.num_layers * self.num_blocks(num_tokens) * self.block_bytes
+        """Bytes of a handoff of `num_tokens` (each layer's `layer_blocks`)."""
+        return sum(self.layer_blocks(i, num_tokens) for i in range(self.num_layers)) * self.block_bytes
 
     def check_matches(self, other: "KVLayout", *, what: str = "handoff") -> None:
         """Raise LayoutMismatch naming each field where `other` (incoming) differs from self (expected)."""
         diffs = [
             f"{name}: expected {getattr(self, name)!r}, got {getattr(other, name)!r}"
             for name in type(self).model_fields
-            if getattr(self, name) != getattr(other, name)
+            if name != "layer_windows" and getattr(self, name) != getattr(other, name)
         ]
+        if self.layer_windows != other.layer_windows and self.num_layers == other.num_layers:
+            layers = [i for i, (a, b) in enumerate(zip(self.layer_windows, other.layer_windows)) if a != b]
+            diffs.append(f"attention of {len(layers)} layer(s): " + ", ".join(
+                f"layer {i} expected {self.attention(i)}, got {other.attention(i)}" for i in layers[:4])
+                + (", ..." if len(layers) > 4 else ""))
         if diffs:
             raise LayoutMismatch(f"{what} refused, KV layout differs: " + "; ".join(diffs))
 
@@ -71,7 +114,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass
 class KVBlocks:
-    """Block-structured KV of one sequence: per layer `[num_blocks, 2, kv_heads, block_size, head_dim]`."""
+    """Block-structured KV of one sequence: per layer `[nb, 2, kv_heads, block_size, head_dim]`.
+
+    A layer holds all `layout.num_blocks(num_tokens)` blocks, or (a sliding-window layer in a handoff)
+    only the last `nb` of them, at least `layout.layer_blocks(layer, num_tokens)`.
+    """
 
     layout: KVLayout
     num_tokens: int
@@ -80,6 +127,16 @@ class KVBlocks:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layers)
+
+    def first_block(self, layer: int) -> int:
+        """The index, among the sequence's blocks, of the first block layer `layer` holds."""
+        return self.layout.num_blocks(self.num_tokens) - self.layers[layer].shape[0]
+
+    def for_handoff(self) -> "KVBlocks":
+        """The blocks a handoff carries (`KVLayout.layer_blocks` of each layer): views, no copy."""
+        n = self.num_tokens
+        return KVBlocks(self.layout, n, [t[t.shape[0] - self.layout.layer_blocks(i, n):]
+                                         for i, t in enumerate(self.layers)])
 
     @staticmethod
     def layer_from_dense(keys: torch.Tensor, values: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -373,15 +373,17 @@ def test_without_prefix_cache_decode_keeps_blocks_consecutive_and_frees_them_out
 
 def test_small_steps_use_the_cpu_weight_layouts(runner, model_dir):
     """One row and more than 12 multiply the transposed weight; two and three rows the `[out, in]` copy;
-    four to twelve oneDNN's packed copy (see `model.Linear`). Each copy holds the same values, and the
+    four to twelve oneDNN's packed copy (see `cpustep.CpuLinear`). Each copy holds the same values, and the
     tied output projection's `[out, in]` copy is the embedding table itself. A prefill engine keeps none."""
-    from pdserve.engine.model import PACK_ROWS_HINT
+    from pdserve.engine.cpustep import PACK_ROWS_HINT, CpuLinear
 
-    model = runner.model
-    lin = model.layers[0].feed_forward.w13
+    hf = runner.model.hf
+    lin = hf.model.layers[0].mlp.gate_proj.fused  # gate and up in one matmul
+    assert isinstance(lin, CpuLinear) and lin.out_features == 2 * hf.config.intermediate_size
     assert lin.weight_rows is not None and torch.equal(lin.weight_rows, lin.weight_t.t())
-    assert model.output.weight_rows.data_ptr() == model.tok_embeddings.weight.data_ptr(), "tied: no second copy"
-    x = torch.randn(16, lin.weight_t.shape[0])
+    head = hf.get_output_embeddings()
+    assert head.weight_rows.data_ptr() == hf.get_input_embeddings().weight.data_ptr(), "tied: no second copy"
+    x = torch.randn(16, lin.in_features)
     for rows in (1, 2, 3, 4, 9, 12, 13, 16):  # the copies agree with the parameter
         torch.testing.assert_close(lin(x[:rows]), x[:rows] @ lin.weight_t, rtol=1e-4, atol=1e-4)
     original = lin.weight_rows, lin.weight_packed
@@ -395,4 +397,4 @@ def test_small_steps_use_the_cpu_weight_layouts(runner, model_dir):
         lin.weight_rows, lin.weight_packed = original
     prefill = PagedRunner(model_dir, num_blocks=8, small_step_weights=False)
     assert all(m.weight_rows is None and m.weight_packed is None
-               for m in prefill.model.modules() if hasattr(m, "weight_rows"))
+               for m in prefill.model.modules() if isinstance(m, CpuLinear))
