@@ -138,9 +138,9 @@ class DecodeWorker(WorkerBase):
                                   buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
 
     def _make_engine(self, args):
-        """The paged engine (block pool, batched steps) for Llama-family models; a dense
-        per-sequence engine for anything else."""
-        if args.engine in ("auto", "paged") and self.runner.config.model_type == "llama":
+        """The paged engine (block pool, batched steps), for every model; the dense per-sequence engine only
+        when asked for (`--engine dense`, for debugging)."""
+        if args.engine in ("auto", "paged"):
             from pdserve.engine.runner import PagedRunner
 
             blocks = max(16, args.kv_capacity_bytes // (self.runner.layout.block_bytes * self.runner.layout.num_layers))
@@ -150,8 +150,6 @@ class DecodeWorker(WorkerBase):
                                  small_step_weights=args.cpu_weight_layouts)
             self.runner.layout.check_matches(engine.layout, what="paged engine")
             return engine
-        if args.engine == "paged":
-            raise SystemExit(f"--engine paged runs Llama-family models; {self.runner.config.model_type} is not one")
         from pdserve.runtime import DenseEngine
 
         return DenseEngine(self.runner, args.kv_capacity_bytes)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
+from pdserve.engine.checkpoint import check_supported, layer_windows, max_context
 from pdserve.kvtransfer.layout import KVBlocks, KVLayout, dtype_name
 from pdserve.modelstore import model_fingerprint
 
@@ -41,6 +42,7 @@ class ModelRunner:
 
     The tokenizer, config, KV layout and stop tokens are read at once; the `transformers` weights
     load on first use of `model` — a worker that computes with the paged engine never loads them.
+    A checkpoint pdserve cannot serve is refused here (`checkpoint.UnsupportedModel`).
     """
 
     def __init__(
@@ -55,20 +57,23 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         cfg = AutoConfig.from_pretrained(self.model_dir)
+        check_supported(cfg, self.model_dir)  # before anything loads: a clear refusal, not a stack trace later
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.config = cfg
         self.name = served_name or self.model_dir.name
-        self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.vocab_size = int(cfg.vocab_size)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        text = cfg.get_text_config()
+        self.max_context = max_context(text)
+        self.vocab_size = int(text.vocab_size)
+        heads = text.num_attention_heads
         self.layout = KVLayout(
             model_fingerprint=model_fingerprint(self.model_dir),
-            num_layers=cfg.num_hidden_layers,
-            kv_heads=cfg.num_key_value_heads,
-            head_dim=head_dim,
+            num_layers=text.num_hidden_layers,
+            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
             dtype=dtype_name(dtype),
             block_size=block_size,
+            layer_windows=layer_windows(text),
         )
         try:
             eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
@@ -146,11 +151,14 @@ class DenseEngine:
     """The engine interface of `pdserve.engine.PagedRunner` over a `ModelRunner`: one dense
     `DynamicCache` per sequence, one forward per sequence per step.
 
-    For models the paged engine does not implement (it runs Llama-family checkpoints); the
-    decode loop drives either through the same calls.
+    Only for debugging (decode's `--engine dense`): every model runs on the paged engine. It takes
+    models whose layers all attend fully (a sliding-window layer's handoff holds only its window).
     """
 
     def __init__(self, runner: ModelRunner, capacity_bytes: int):
+        if runner.layout.layer_windows:
+            raise ValueError(f"the dense engine (for debugging) takes full-attention models; {runner.model_dir.name} "
+                             "has sliding-window layers")
         self.runner = runner
         self.layout = runner.layout
         self.capacity_bytes = capacity_bytes

@@ -170,5 +170,12 @@ def run_worker(cls, argv: list[str], extra_args=None) -> int:
         extra_args(p)
     args = p.parse_args(argv)
     setup_logging(args.log_level)
-    asyncio.run(cls(args).run())
+    from pdserve.engine.checkpoint import UnsupportedModel
+
+    try:
+        worker = cls(args)
+    except UnsupportedModel as e:  # the checkpoint, not pdserve, is the problem: say so in one line
+        log.error("%s cannot serve %s: %s", cls.role, args.model, e)
+        return 2
+    asyncio.run(worker.run())
     return 0

@@ -157,20 +157,15 @@ class PrefillWorker(WorkerBase):
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
 
     def _make_engine(self, args):
-        """The paged engine (block pool with prefix cache, batched chunks) for Llama-family models;
-        the dense per-sequence engine (no prefix cache) for anything else."""
+        """The paged engine (block pool with prefix cache, batched chunks), for every model."""
+        from pdserve.engine.runner import PagedRunner
+
         layout = self.runner.layout
-        if self.runner.config.model_type == "llama":
-            from pdserve.engine.runner import PagedRunner
-
-            blocks = max(16, args.kv_capacity_bytes // (layout.block_bytes * layout.num_layers))
-            engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
-                                 block_size=layout.block_size, num_blocks=blocks, small_step_weights=False)
-            layout.check_matches(engine.layout, what="paged engine")
-            return engine
-        from pdserve.runtime import DenseEngine
-
-        return DenseEngine(self.runner, args.kv_capacity_bytes)
+        blocks = max(16, args.kv_capacity_bytes // (layout.block_bytes * layout.num_layers))
+        engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
+                             block_size=layout.block_size, num_blocks=blocks, small_step_weights=False)
+        layout.check_matches(engine.layout, what="paged engine")
+        return engine
 
     def load_fields(self) -> dict:
         mean = lambda d: sum(d) / len(d) if d else 0.0  # noqa: E731
@@ -401,7 +396,7 @@ class PrefillWorker(WorkerBase):
     def _layer_done(self, i: int) -> None:
         """A layer's forward hook: send each streamed prompt's KV of that layer."""
         for job in self._streams:
-            blocks = self.engine.pool.export_layer(job.seq_id, i)
+            blocks = self.engine.export_layer(job.seq_id, i)
             self.loop.call_soon_threadsafe(job.stream.queue.put_nowait, (i, blocks))
 
     async def _open_stream(self, job: Job) -> "LayerStream | None":
@@ -589,6 +584,7 @@ class PrefillWorker(WorkerBase):
         )
 
     async def _handoff(self, req: PrefillRequest, kv, generated: list[int]) -> None:
+        kv = kv.for_handoff()  # a sliding-window layer's window only (the offload tier keeps every block)
         offer = self._offer(req, kv.layout, kv.num_tokens, kv.nbytes, generated)
         self.transfer_backlog += 1
         self.transfer_backlog_bytes += kv.nbytes

@@ -81,13 +81,15 @@ def check_supported(config, path: Path | None = None) -> None:
     encoders, encoder-decoders, multimodal models, attention kinds other than full and sliding, no weights."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    arch = (getattr(config, "architectures", None) or [type(config).__name__.removesuffix("Config")])[0]
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    named = getattr(config, "architectures", None)
+    arch = named[0] if named else causal or type(config).__name__.removesuffix("Config")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(f"{arch} is an encoder-decoder model; pdserve serves decoder-only causal language models")
     if config.get_text_config() is not config or any(hasattr(config, k) for k in ("vision_config", "audio_config")):
         raise UnsupportedModel(f"{arch} is multimodal (its config has a text config and more); pdserve serves "
                                "text-only decoder models")
-    if not arch.endswith(("ForCausalLM", "LMHeadModel")) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if causal is None or (named and not arch.endswith(("ForCausalLM", "LMHeadModel"))):
         raise UnsupportedModel(f"{arch} ({config.model_type}) is not a causal language model transformers can load "
                                "with AutoModelForCausalLM (an encoder, a classifier?); pdserve serves decoder-only "
                                "causal language models")

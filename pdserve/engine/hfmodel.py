@@ -153,9 +153,15 @@ class HFPagedModel(nn.Module):
     def _probe(self) -> list[LayerAttention]:
         seen: dict[int, LayerAttention] = {}
         device = next(self.hf.parameters()).device
-        self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False,
-                logits_to_keep=1, pdserve_step=_Step(None, None, self.attention_impl, probe=seen))
+        try:
+            self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                    position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False,
+                    logits_to_keep=1, pdserve_step=_Step(None, None, self.attention_impl, probe=seen))
+        except UnsupportedModel:
+            raise
+        except Exception as e:  # model code that cannot run as one packed sequence without a cache
+            raise UnsupportedModel(f"{type(self.hf).__name__}: its forward fails under paged attention "
+                                   f"({type(e).__name__}: {e})") from e
         n = len(self.layers)
         if sorted(seen) != list(range(n)):
             raise UnsupportedModel(f"{type(self.hf).__name__}: attention ran for layers {sorted(seen)} of {n}; pdserve "
@@ -185,7 +191,12 @@ class HFPagedModel(nn.Module):
         such steps)."""
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=ATTENTION)
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=ATTENTION)
+        except (KeyError, ValueError, NotImplementedError) as e:  # a model that hard-codes its attention choices
+            arch = _architecture(model_dir)
+            raise UnsupportedModel(f"{arch}: transformers cannot build it with a registered attention "
+                                   f"implementation ({type(e).__name__}: {e})") from e
         hf = hf.to(device).eval()
         if torch.device(device).type == "cpu":
             from pdserve.engine.cpustep import (
@@ -202,6 +213,15 @@ class HFPagedModel(nn.Module):
                 # a tied head's [out, in] layout is the embedding table itself
                 add_small_step_layouts(hf, {hf.get_output_embeddings(): embed.weight.detach()} if tied else None)
         return cls(hf, attention_impl)
+
+
+def _architecture(model_dir) -> str:
+    import json
+
+    try:
+        return (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or ["?"])[0]
+    except (OSError, ValueError):
+        return str(model_dir)
 
 
 def _decoder_layers(hf: nn.Module) -> nn.ModuleList:
