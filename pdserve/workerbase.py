@@ -75,8 +75,11 @@ class WorkerBase:
         # A restarted worker with the same id gets a newer generation; handoffs fence on it.
         self.generation = int(time.time() * 1000)
         self.scope = deployment_scope()
-        dtype = getattr(torch, args.dtype)
-        self.runner = ModelRunner(resolve_model(args.model), dtype=dtype, device=args.device,
+        from pdserve.engine.checkpoint import inspect_checkpoint, resolve_dtype
+
+        model_dir = resolve_model(args.model)
+        dtype = resolve_dtype(args.dtype, args.device, inspect_checkpoint(model_dir).dtype)
+        self.runner = ModelRunner(model_dir, dtype=dtype, device=args.device,
                                   block_size=args.block_size, served_name=args.served_model_name)
         self.model_name = self.runner.name
         self.creds = NatsCredentials.from_env(args.nats_url)

@@ -106,3 +106,28 @@ def test_family_equals_generate_alone_batched_speculative_and_handed_off(family,
         assert not lg.isnan().any()
         out.append(int(lg[-1].argmax()))
     assert out == w
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
+def test_a_sliding_window_draft_model_rolls_back_past_its_window(family, tiny_root, model_dir):
+    """The draft-model drafter's own transformers cache keeps what `crop` rolls back on sliding-window layers:
+    the model as its own draft proposes exactly its greedy continuation, step after step, long past the window."""
+    from transformers import AutoTokenizer
+
+    from pdserve.decode.drafters import DraftModelDrafter
+
+    path = make_tiny(family, tiny_root, model_dir)
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    drafter = DraftModelDrafter(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    ctx = prompts(tok)[0]
+    for _ in range(4):  # each step: 4 proposed, 2 accepted and a correction, the rest rolled back
+        proposal = drafter.propose_now("r", ctx, 4).token_ids
+        with torch.inference_mode():
+            want = hf.generate(torch.tensor([ctx]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                               pad_token_id=2)[0, len(ctx):].tolist()
+        assert proposal == want
+        new = proposal[:2] + [(proposal[2] + 1) % 1000]
+        drafter.feedback("r", 2, new)
+        ctx = ctx + new
+    assert len(ctx) > 2 * 8  # well past the 8-token window

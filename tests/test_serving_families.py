@@ -1,12 +1,15 @@
 """Bring your own model: every decoder-only family through real prefill and decode processes, end to end.
 
 Per family (tiny random-weight checkpoints from transformers' config classes, tests/tinymodels.py), one
-cluster — front, decode with n-gram speculation at a fixed k, prefill — serves greedy requests over each
-KV path in turn (shared memory; TCP; TCP with int8), the prefill worker restarted between them with its
-transports and compression. Greedy output must equal transformers' `generate` token for token over the
-exact paths; over int8 (lossy) the request completes through the compressed path with prefill's first
-token exact. Seeded sampling with speculation must equal seeded sampling without it. Which way the KV
-went is read from decode's metrics. Gemma-3-270M, a real checkpoint, is served the same way.
+cluster — front, decode speculating k = 3 tokens a step with the model as its own draft (it always has a
+proposal), prefill — serves greedy requests over each KV path in turn (shared memory; TCP; TCP with
+int8), the prefill worker restarted between them with its transports and compression. Greedy output
+must equal transformers' `generate` token for token over the exact paths; over int8 (lossy) the request
+completes through the compressed path with prefill's first token exact. Which way the KV went is read
+from decode's metrics. Then decode is restarted with the n-gram drafter, whose proposals are coupled to
+plain sampling: seeded sampling with speculation must pick the very tokens it picks without, and greedy
+output still equals `generate` (with drafts wherever the continuation repeats itself). Gemma-3-270M, a
+real checkpoint, is served the same way.
 """
 from __future__ import annotations
 
@@ -28,7 +31,6 @@ from tinymodels import TOOLS_TEMPLATE_FAMILIES, make_tiny, set_stop_tokens
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "gpt_oss")
-# plain text, and text that repeats itself (the n-gram drafter proposes from it, so speculation runs)
 PROMPTS = ["The printing press spread literacy across Europe because", "1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3"]
 NEW = 12
 PATHS = [  # (prefill's arguments, the transport and compression decode must see)
@@ -62,14 +64,20 @@ def wire(metrics_port: int) -> dict[tuple[str, str], float]:
     return out
 
 
-def replace_prefill(c: LocalCluster, old: str, new: str, args: list[str]) -> None:
-    """Stop prefill `old` (it says goodbye) and start `new` with `args`, waiting for the front to see each."""
+def replace_worker(c: LocalCluster, role: str, old: str, new: str, args: list[str]) -> None:
+    """Stop worker `old` (it says goodbye) and start `new` with `args`, waiting for the front to see each."""
     proc = c.procs.pop(old)  # gone on purpose: no longer one of the cluster's processes
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(120)  # a bound: a loaded 2-core machine takes seconds to shut a worker down
-    wait_for(lambda: c.health()["prefill_workers"] == 0, f"the front to drop {old}", 60, retry_on=(OSError,))
-    c.spawn(new, "prefill", "--model", c.model, "--worker-id", new, *BLOCKS, *args)
+    wait_for(lambda: c.health()[f"{role}_workers"] == 0, f"the front to drop {old}", 60, retry_on=(OSError,))
+    c.spawn(new, role, "--model", c.model, "--worker-id", new, *BLOCKS, *args)
     c.wait_ready(240)
+
+
+def repeats(ids: list[int]) -> bool:
+    """Whether a continuation repeats a pair of tokens (where the n-gram drafter finds something to propose)."""
+    pairs = list(zip(ids, ids[1:]))
+    return len(set(pairs)) < len(pairs)
 
 
 def reference(path, prompts: list[str], n: int) -> dict[str, list[int]]:
@@ -90,15 +98,15 @@ def test_family_served_end_to_end(family, tiny_root, model_dir, nats_server):
     if family == "llama":
         assert want[PROMPTS[0]][-1] == stop and len(want[PROMPTS[0]]) < NEW  # generate stops at the second one
     port = free_port()
-    decode = ["--spec-method", "ngram", "--spec-k-policy", "fixed", "--spec-max-k", "4", "--kv-compression", "int8",
-              "--metrics-port", str(port), *BLOCKS]
+    decode = ["--spec-method", "draft", "--draft-model", str(path), "--spec-k-policy", "fixed", "--spec-max-k", "3",
+              "--kv-compression", "int8", "--metrics-port", str(port), *BLOCKS]
     with LocalCluster(str(path), nats=nats_server.creds,
                       worker_args={"prefill": [*BLOCKS, *PATHS[0][0]], "decode": decode}) as c:
         name = json.loads(urllib.request.urlopen(c.url + "/v1/models").read())["data"][0]["id"]
         prefill = "prefill-0"
         for i, (args, via) in enumerate(PATHS):
             if i:
-                replace_prefill(c, prefill, f"prefill-{i}", args)
+                replace_worker(c, "prefill", prefill, f"prefill-{i}", args)
                 prefill = f"prefill-{i}"
             before = wire(port)
             for p in PROMPTS:
@@ -108,16 +116,22 @@ def test_family_served_end_to_end(family, tiny_root, model_dir, nats_server):
                     assert ids == want[p], (family, via, p)
                 else:  # lossy: prefill's first token exact, then the model continues from int8 KV to its end
                     assert ids[0] == want[p][0] and out["choices"][0]["finish_reason"] in ("stop", "length"), out
-                if p == PROMPTS[1] and len(ids) > 1:  # the repetitive prompt: speculation ran
+                if len(ids) > 2:  # decode had tokens to speculate on, and did
                     assert usage["speculation"]["draft_tokens"] > 0, usage
             after = wire(port)
             grew = {k for k in after if after[k] > before.get(k, 0.0)}
             assert grew == {via}, (family, via, before, after)  # the KV went this way, and only this way
-        # seeded sampling: speculation picks the very tokens plain sampling picks
-        kw = dict(temperature=0.9, top_p=0.95, seed=11, max_tokens=NEW)
-        plain = complete(c.url, name, PROMPTS[1], speculation={"enabled": False}, **kw)["choices"][0]["token_ids"]
-        spec = complete(c.url, name, PROMPTS[1], **kw)
-        assert spec["choices"][0]["token_ids"] == plain
+        replace_worker(c, "decode", "decode-0", "decode-1", ["--spec-method", "ngram", "--spec-k-policy", "fixed",
+                                                             "--spec-max-k", "4"])
+        for p in PROMPTS:
+            out = complete(c.url, name, p)
+            assert out["choices"][0]["token_ids"] == want[p], (family, "ngram", p)
+            if repeats(want[p]):
+                assert out["usage"]["speculation"]["draft_tokens"] > 0, out["usage"]
+            # seeded sampling: speculation picks the very tokens plain sampling picks
+            kw = dict(temperature=0.7, top_p=0.95, seed=11, max_tokens=NEW)
+            plain = complete(c.url, name, p, speculation={"enabled": False}, **kw)["choices"][0]["token_ids"]
+            assert complete(c.url, name, p, **kw)["choices"][0]["token_ids"] == plain
         if family in TOOLS_TEMPLATE_FAMILIES:
             check_tools_and_system_reach_the_template(c.url, name, path)
 
