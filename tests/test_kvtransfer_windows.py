@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from kvhelpers import random_kv
-from pdserve.kvtransfer.layout import KVLayout, LayoutMismatch
-from pdserve.kvtransfer.tcp import KVReceiver, TransferHeader, send_kv
+from pdserve.basetypes import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.frames import TransferHeader
+from pdserve.kvtransfer.tcp_send import send_kv
+from pdserve.kvtransfer.tcp_server import KVReceiver
 
 # layers: sliding 5, full, sliding 9, full (Gemma-style alternation), 4-token blocks
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=4, kv_heads=2, head_dim=8, dtype="bfloat16", block_size=4,

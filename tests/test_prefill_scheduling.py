@@ -15,11 +15,9 @@ import nats
 import pytest
 import torch
 
-from pdserve.kvtransfer.protocol import (
-    Ack, LoadReport, PrefillRequest, PrepositionHint, Subjects, announced, prefix_hashes,
-)
+from pdserve.basetypes import SamplingParams, announced, prefix_hashes
+from pdserve.kvtransfer.protocol import Ack, LoadReport, PrefillRequest, PrepositionHint, Subjects
 from pdserve.local import LocalCluster
-from pdserve.sampling import SamplingParams
 from servinghelpers import hf_greedy as _hf_greedy, post, wait_for
 
 pytestmark = pytest.mark.model
