@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 from pdserve.basetypes import DEFAULT_BLOCK_SIZE, KVLayout, dtype_name
-from pdserve.engine.checkpoint import check_supported, layer_windows, max_context
+from pdserve.checkpoint import check_supported, layer_windows, max_context
 from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.modelstore import model_fingerprint
 
@@ -41,7 +41,7 @@ class ModelRunner:
 
     The tokenizer, config, KV layout and stop tokens are read at once; the `transformers` weights
     load on first use of `model` — a worker that computes with the paged engine never loads them.
-    A checkpoint pdserve cannot serve is refused here (`checkpoint.UnsupportedModel`).
+    A checkpoint pdserve cannot serve is refused here (`pdserve.checkpoint.UnsupportedModel`).
     """
 
     def __init__(

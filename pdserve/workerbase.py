@@ -51,7 +51,7 @@ class WorkerBase:
     def __init__(self, args: WorkerConfig):
         import torch
 
-        from pdserve.engine.checkpoint import inspect_checkpoint, resolve_dtype
+        from pdserve.checkpoint import inspect_checkpoint, resolve_dtype
         from pdserve.modelstore import resolve_model
         from pdserve.runtime import ModelRunner
 
@@ -154,7 +154,7 @@ def run_worker(cls: type[WorkerBase], argv: list[str]) -> int:
     doc = sys.modules[cls.__module__].__doc__ or ""
     args = load(cls.settings, argv, prog=f"pdserve {cls.role}", description=doc.strip().split("\n")[0])
     setup_logging(args.log_level)
-    from pdserve.engine.checkpoint import UnsupportedModel
+    from pdserve.checkpoint import UnsupportedModel
 
     try:
         worker = cls(args)

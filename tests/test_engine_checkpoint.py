@@ -16,8 +16,8 @@ import pytest
 import torch
 import transformers as t
 
-from pdserve.engine import checkpoint
-from pdserve.engine.checkpoint import UnsupportedModel, inspect_checkpoint, resolve_dtype
+from pdserve import checkpoint
+from pdserve.checkpoint import UnsupportedModel, inspect_checkpoint, resolve_dtype
 from tinymodels import make_tiny
 
 V = 512

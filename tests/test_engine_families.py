@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pdserve.engine.checkpoint import inspect_checkpoint, layer_windows
+from pdserve.checkpoint import inspect_checkpoint, layer_windows
 from pdserve.engine.runner import PagedRunner
 from tinymodels import FAMILIES, make_tiny
 

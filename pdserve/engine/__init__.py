@@ -6,9 +6,8 @@
   prefix cache by hash chain (LRU), `OutOfBlocks`; `KVBlocks` in and out.
 * `hfmodel` — `HFPagedModel`: the checkpoint's own transformers model with pdserve's paged attention
   plugged into transformers' attention interface (per-layer sliding windows, sinks, soft caps);
-  `cpustep` makes its steps cheap on the CPU (weight layouts, fused projections and norms).
-* `checkpoint` — what a checkpoint is before it loads (`inspect_checkpoint`), what cannot serve and
-  why (`UnsupportedModel`), `dtype: auto` (`resolve_dtype`).
+  `cpustep` makes its steps cheap on the CPU (weight layouts, fused projections and norms). What a
+  checkpoint is before it loads, and what cannot serve, is `pdserve.checkpoint` (torch-free).
 * `runner`  — `PagedRunner`: prefill (chunked, prefix reuse), `step` over a batch, rollback,
   export/import of KV, the same `KVLayout` as `pdserve.runtime.ModelRunner`.
 * `dense`   — `DenseEngine`: one transformers cache per sequence, for debugging (`--engine dense`).

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 
-from pdserve.engine.checkpoint import UnsupportedModel, layer_windows, max_context
+from pdserve.checkpoint import UnsupportedModel, layer_windows, max_context
 from pdserve.kernels.paged_attention import paged_attention, write_kv
 
 ATTENTION = "pdserve_paged"
