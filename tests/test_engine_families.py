@@ -131,3 +131,27 @@ def test_a_sliding_window_draft_model_rolls_back_past_its_window(family, tiny_ro
         drafter.feedback("r", 2, new)
         ctx = ctx + new
     assert len(ctx) > 2 * 8  # well past the 8-token window
+
+
+def test_a_sharded_checkpoint_serves_like_the_single_file(tiny_root, model_dir, tmp_path):
+    """Sharded safetensors (an index and several files, as large checkpoints ship) load into the paged engine
+    whole: the same greedy tokens as `generate`."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = make_tiny("qwen3_moe", tiny_root, model_dir)
+    sharded = tmp_path / "sharded"
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.save_pretrained(sharded, max_shard_size="200KB")
+    for f in path.iterdir():
+        if not (sharded / f.name).exists() and not f.name.startswith(("model", "pdserve-")):
+            shutil.copy(f, sharded / f.name)
+    shards = sorted(sharded.glob("*.safetensors"))
+    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").is_file()
+
+    p = prompts(AutoTokenizer.from_pretrained(sharded))[0]
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                           pad_token_id=2)[0, len(p):].tolist()
+    assert greedy(PagedRunner(sharded, num_blocks=64, block_size=BLOCK), "s", p, NEW) == want
