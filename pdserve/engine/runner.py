@@ -47,25 +47,15 @@ class PagedRunner:
         attention_impl: str | None = None,
         prefix_cache: bool = True,
         small_step_weights: bool = True,
-        model_impl: str = "transformers",
     ):
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         impl = attention_impl or ("reference" if self.device.type == "cpu" else "auto")
-        if model_impl == "llama":  # the hand-written Llama forward, for the benchmark against it
-            from pdserve.engine.model import Transformer
-
-            model = Transformer.from_pretrained(self.model_dir, dtype=dtype, device=self.device, attention_impl=impl,
-                                                small_step_weights=small_step_weights)
-            a = model.args
-            shape = dict(num_layers=a.n_layers, kv_heads=a.n_kv_heads, head_dim=a.head_dim, layer_windows=())
-            self.max_context, self.vocab_size = a.max_position, a.vocab_size
-        else:
-            model = HFPagedModel.from_pretrained(self.model_dir, dtype=dtype, device=self.device, attention_impl=impl,
-                                                 small_step_weights=small_step_weights)
-            shape = dict(num_layers=len(model.layers), kv_heads=model.kv_heads, head_dim=model.head_dim,
-                         layer_windows=model.layer_windows)
-            self.max_context, self.vocab_size = model.max_context, model.vocab_size
+        model = HFPagedModel.from_pretrained(self.model_dir, dtype=dtype, device=self.device, attention_impl=impl,
+                                             small_step_weights=small_step_weights)
+        shape = dict(num_layers=len(model.layers), kv_heads=model.kv_heads, head_dim=model.head_dim,
+                     layer_windows=model.layer_windows)
+        self.max_context, self.vocab_size = model.max_context, model.vocab_size
         self.model = model
         self.layout = KVLayout(model_fingerprint=model_fingerprint(self.model_dir), dtype=dtype_name(dtype),
                                block_size=block_size, **shape)
