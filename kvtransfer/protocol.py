@@ -228,7 +228,7 @@ class HandoffOffer(Message):
     num_tokens: int
     kv_bytes: int
     prompt_token_ids: list[int]
-    generated_token_ids: list[int]  # what prefill already produced (the first token)
+    generated_token_ids: list[int]  # what prefill already produced (the first token; none when n > 1)
     sampling: SamplingParams
     seed: int
     next_seq: int  # sequence number of the next StreamEvent
@@ -280,18 +280,30 @@ class Usage(BaseModel):
     spec_accepted_tokens: int = 0
 
 
+class TokenLogprob(BaseModel):
+    """One generated token's raw model logprob (log-softmax of the logits before any sampling
+    option), and the `top` most likely tokens at its position with theirs, most likely first."""
+
+    logprob: float
+    top_ids: list[int] = Field(default_factory=list)
+    top_logprobs: list[float] = Field(default_factory=list)
+
+
 class StreamEvent(Message):
-    """workers → front on `stream.{request_id}`, in `seq` order.
+    """workers → front on `stream.{request_id}`, in `seq` order (one sequence for all of a request's choices).
 
     kind: "token" (text delta + ids), "handoff" (responsibility moves to decode; KV stats),
-    "done" (finish_reason + usage), "error" (message, type, http status).
+    "done" (finish_reason + usage), "error" (message, type, http status). `index`: the choice a
+    token or done event belongs to (0..n-1; with n > 1 the request is done when every choice is).
     """
 
     request_id: str
     seq: int
     kind: Literal["token", "handoff", "done", "error"]
     worker_id: str
+    index: int = 0
     token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when the request asked for them
     text: str = ""
     finish_reason: str | None = None
     usage: Usage | None = None
