@@ -189,8 +189,7 @@ class ChatCompletionRequest(_Common):
     # the tools go to the model's chat template, which shows them to the model; its answer comes back as
     # text (calls are not parsed out of it, nor is decoding constrained to them: "required" is refused)
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
-    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["auto", "none"] | None = None  # parallel_tool_calls: ignored (no calls are parsed)
 
     def template_tools(self) -> list[dict] | None:
         """The tools as chat templates take them (None: no tools, or `tool_choice` "none")."""

@@ -28,7 +28,8 @@ from pdserve.natsserver import free_port
 from servinghelpers import hf_greedy, post, wait_for
 from tinymodels import TOOLS_TEMPLATE_FAMILIES, make_tiny, set_stop_tokens
 
-pytestmark = [pytest.mark.model, pytest.mark.slow]
+# a family test starts a cluster and restarts workers four times: longer than the suite's 5-minute hang bound
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(900)]
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "gpt_oss")
 PROMPTS = ["The printing press spread literacy across Europe because", "1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3"]
