@@ -214,11 +214,11 @@ class DecodeWorker(WorkerBase):
 
     async def on_start(self) -> None:
         await self.receiver.start()
-        self.kv_channel = KVReceiveChannel(self.receiver, self.nc, worker_id=self.worker_id,
+        self.kv_channel = KVReceiveChannel(self.receiver, self.nc, scope=self.scope, worker_id=self.worker_id,
                                            stall_timeout=self.transfer_timeout,
                                            compressions=dict.fromkeys(("none", self.args.kv.compression)))
         await self.nc.subscribe(Subjects.decode_handoff(self.scope, self.worker_id), cb=self._on_offer)
-        await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
+        await self.nc.subscribe(Subjects.cancel_all(self.scope), cb=self._on_cancel)
         self.spawn(self._decode_loop())
 
     async def on_stop(self) -> None:
@@ -279,7 +279,7 @@ class DecodeWorker(WorkerBase):
             elif ev.kind in ("done", "error"):
                 fut.set_result(None)
 
-        sub = await self.nc.subscribe(Subjects.stream(offer.request_id), cb=on_event)
+        sub = await self.nc.subscribe(Subjects.stream(self.scope, offer.request_id), cb=on_event)
         return fut, sub
 
     async def _first_token(self, offer: HandoffOffer, first) -> bool:
@@ -429,7 +429,7 @@ class DecodeWorker(WorkerBase):
         self.m_running.set(len(self.running))
 
     async def _publish(self, request_id: str, seq: int, **fields) -> None:
-        await self.nc.publish(Subjects.stream(request_id),
+        await self.nc.publish(Subjects.stream(self.scope, request_id),
                               StreamEvent(request_id=request_id, seq=seq, worker_id=self.worker_id, **fields).encode())
 
     async def _emit(self, s: Sequence, **fields) -> None:

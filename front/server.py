@@ -76,9 +76,9 @@ class Front:
         cfg = json.loads((model_dir / "config.json").read_text())
         self.max_context = int(cfg.get("max_position_embeddings", 2048))
         self.vocab_size = max(int(cfg.get("vocab_size", 0)), len(self.tokenizer))
-        self.creds = NatsCredentials.from_config(args.nats)
         self.api_key = args.api_key.get_secret_value() if args.api_key else None
         self.scope = args.deployment_scope
+        self.creds = NatsCredentials.from_config(args.nats, scope=self.scope)
         self.registry = WorkerRegistry(self.scope)
         self.nc: nats.NATS | None = None
         self.inflight: PyCounter[str] = PyCounter()  # decode worker id -> requests this front sent it
@@ -150,8 +150,7 @@ class Front:
         return app
 
     async def _startup(self, app) -> None:
-        self.nc = await nats.connect(**self.creds.connect_kwargs(), name="pdserve-front",
-                                     max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        self.nc = await self.creds.connect(name="pdserve-front", max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         await self.registry.attach(self.nc)
 
     async def _cleanup(self, app) -> None:
@@ -487,7 +486,7 @@ class Generation:
 
     async def cancel(self, reason: str) -> None:
         try:
-            await self.front.nc.publish(Subjects.cancel(self.rid), Cancel(request_id=self.rid, reason=reason).encode())
+            await self.front.nc.publish(Subjects.cancel(self.front.scope, self.rid), Cancel(request_id=self.rid, reason=reason).encode())
         except Exception:
             pass
 
@@ -510,7 +509,7 @@ class Generation:
         f.inflight[decode.worker_id] += 1
         f.inflight_bytes[decode.worker_id] += kv_bytes
         f.m_prompt_tokens.inc(len(self.prompt_ids))
-        sub = await f.nc.subscribe(Subjects.stream(self.rid))
+        sub = await f.nc.subscribe(Subjects.stream(f.scope, self.rid))
         finished = False
         queued = None  # (prefill worker, tokens) this request adds to its queue until the first token
         try:

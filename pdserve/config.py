@@ -75,11 +75,24 @@ class NatsConfig(Settings):
     url: str = Field("nats://127.0.0.1:4222", description="NATS server URL")
     user: Annotated[str | None, ENV_ONLY] = Field(None, description="NATS user")
     password: Annotated[SecretStr | None, ENV_ONLY] = Field(None, description="NATS password")
+    tls_ca: str | None = Field(None, description="CA certificate (PEM file) that signs the NATS server's certificate; "
+                                                 "set, the connection is TLS and the server is verified against it")
+    tls_cert: str | None = Field(None, description="client certificate (PEM file), for a NATS server that verifies "
+                                                   "its clients")
+    tls_key: str | None = Field(None, description="the client certificate's private key (PEM file)")
 
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
         return nats_url(v)
+
+    @model_validator(mode="after")
+    def _tls(self) -> "NatsConfig":
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--nats-tls-cert and --nats-tls-key go together: give both or neither")
+        if self.tls_cert and not self.tls_ca:
+            raise ValueError("--nats-tls-cert needs --nats-tls-ca (the CA that signs the NATS server's certificate)")
+        return self
 
 
 class KVTransferConfig(Settings):
@@ -258,6 +271,16 @@ class OperatorSettings(Settings):
     nats_secret: str | None = Field(None, description="Secret with the NATS user and password (keys user, "
                                                       "password), copied into each InferenceService's namespace")
     nats_secret_namespace: str | None = Field(None, description="its namespace (default: the operator's own)")
+    nats_users_secret: str | None = Field(None, description="Secret (in the NATS Secret's namespace) whose users.conf "
+                                                            "the chart's NATS server reads: each InferenceService "
+                                                            "then gets a NATS user of its own, confined to its "
+                                                            "scope; unset, all share the NATS Secret's credentials")
+    nats_tls_ca: str | None = Field(None, description="CA certificate (PEM file) of the NATS server, handed to the "
+                                                      "workers (TLS to NATS)")
+    metrics_scraper_namespace: str | None = Field(None, description="namespace of the Prometheus that scrapes the "
+                                                                    "workers' /metrics: the only one, beside the "
+                                                                    "InferenceService's own pods, that the workers' "
+                                                                    "NetworkPolicy admits to it")
     own_namespace: Annotated[str | None, Opt(flag=None, env="POD_NAMESPACE")] = Field(
         None, description="the operator's namespace")
     webhook_cert: str | None = Field(None, description="TLS certificate of the validating admission webhook; "

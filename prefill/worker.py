@@ -58,7 +58,7 @@ from pdserve.kvtransfer.channel import KVSendChannel
 from pdserve.kvtransfer.frames import TransferError
 from pdserve.kvtransfer.protocol import (
     PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, PrepositionHint, ProtocolError,
-    StreamEvent, Subjects, Usage,
+    Buckets, StreamEvent, Subjects, Usage,
 )
 from pdserve.kvtransfer.shm import SENDER_MAPS
 from pdserve.processors import make_processor, token_logprobs
@@ -183,7 +183,7 @@ class PrefillWorker(WorkerBase):
             for i, layer in enumerate(layers):
                 layer.register_forward_hook(lambda m, a, o, i=i: self._layer_done(i))
         # transports in preference order (shm only when decode reports the same host), negotiated per handoff
-        self.kv_channel = KVSendChannel(self.nc, sender_id=self.worker_id, generation=self.generation,
+        self.kv_channel = KVSendChannel(self.nc, scope=self.scope, sender_id=self.worker_id, generation=self.generation,
                                         transports=self.args.kv.transport_list,
                                         compression=self.args.kv.compression, timeout=self.transfer_timeout)
         await self.nc.subscribe(Subjects.prefill(self.scope, self.model_name), queue=PREFILL_QUEUE_GROUP,
@@ -191,11 +191,11 @@ class PrefillWorker(WorkerBase):
         await self.nc.subscribe(Subjects.prefill_worker(self.scope, self.model_name, self.worker_id),
                                 cb=self._on_request)
         await self.nc.subscribe(Subjects.preposition(self.scope, self.worker_id), cb=self._on_hint)
-        await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
+        await self.nc.subscribe(Subjects.cancel_all(self.scope), cb=self._on_cancel)
         if self.args.prefix_offload:
             from pdserve.kvtransfer.offload import KVPrefixStore
 
-            self.prefix_store = KVPrefixStore(self.nc, self.runner.layout, ttl_s=self.args.prefix_offload_ttl)
+            self.prefix_store = KVPrefixStore(self.nc, self.runner.layout, bucket=Buckets.prefix(self.scope), ttl_s=self.args.prefix_offload_ttl)
         self.spawn(self._scheduler())
 
     async def _on_cancel(self, msg) -> None:
@@ -292,7 +292,7 @@ class PrefillWorker(WorkerBase):
         self._wake.set()
 
     async def _publish(self, req: PrefillRequest, **fields) -> None:
-        await self.nc.publish(Subjects.stream(req.request_id),
+        await self.nc.publish(Subjects.stream(self.scope, req.request_id),
                               StreamEvent(request_id=req.request_id, worker_id=self.worker_id, **fields).encode())
 
     async def _fail(self, req: PrefillRequest, seq: int, message: str, status: int = 500,
