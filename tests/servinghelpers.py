@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -52,3 +53,16 @@ def wait_for(fn, what: str, timeout: float, *, interval: float = 0.3, retry_on: 
             last = e
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def wire_bytes(metrics_port: int) -> tuple[dict[tuple[str, str], float], float]:
+    """decode's pdserve_kv_transfer_wire_bytes_total by (transport, compression), and the KV bytes received
+    (pdserve_kv_transfer_received_bytes_total)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    wire = {}
+    for labels, value in re.findall(r"^pdserve_kv_transfer_wire_bytes_total\{(.*)\} (\S+)$", text, re.M):
+        label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        wire[label["transport"], label["compression"]] = float(value)
+    kv = re.search(r"^pdserve_kv_transfer_received_bytes_total (\S+)$", text, re.M)
+    return wire, float(kv.group(1))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import urllib.request
 
@@ -25,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.local import LocalCluster
 from pdserve.natsserver import free_port
-from servinghelpers import hf_greedy, post, wait_for
+from servinghelpers import hf_greedy, post, wait_for, wire_bytes
 from tinymodels import TOOLS_TEMPLATE_FAMILIES, make_tiny, set_stop_tokens
 
 # a family test starts a cluster and restarts workers four times: longer than the suite's 5-minute hang bound
@@ -51,17 +50,6 @@ def complete(url: str, model: str, prompt: str, **extra) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": NEW, "temperature": 0, "return_token_ids": True, **extra}
     status, out = post(url + "/v1/completions", body)
     assert status == 200, out
-    return out
-
-
-def wire(metrics_port: int) -> dict[tuple[str, str], float]:
-    """decode's KV bytes received on the wire, by (transport, compression)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for labels, value in re.findall(r"^pdserve_kv_transfer_wire_bytes_total\{(.*)\} (\S+)$", text, re.M):
-        label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        out[label["transport"], label["compression"]] = float(value)
     return out
 
 
@@ -109,7 +97,7 @@ def test_family_served_end_to_end(family, tiny_root, model_dir, nats_server):
             if i:
                 replace_worker(c, "prefill", prefill, f"prefill-{i}", args)
                 prefill = f"prefill-{i}"
-            before = wire(port)
+            before = wire_bytes(port)[0]
             for p in PROMPTS:
                 out = complete(c.url, name, p)
                 ids, usage = out["choices"][0]["token_ids"], out["usage"]
@@ -119,7 +107,7 @@ def test_family_served_end_to_end(family, tiny_root, model_dir, nats_server):
                     assert ids[0] == want[p][0] and out["choices"][0]["finish_reason"] in ("stop", "length"), out
                 if len(ids) > 2:  # decode had tokens to speculate on, and did
                     assert usage["speculation"]["draft_tokens"] > 0, usage
-            after = wire(port)
+            after = wire_bytes(port)[0]
             grew = {k for k in after if after[k] > before.get(k, 0.0)}
             assert grew == {via}, (family, via, before, after)  # the KV went this way, and only this way
         replace_worker(c, "decode", "decode-0", "decode-1", ["--spec-method", "ngram", "--spec-k-policy", "fixed",
