@@ -50,7 +50,7 @@ import string
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
 from pdserve.basetypes import KVLayout, SamplingParams
 
@@ -366,6 +366,9 @@ class Usage(BaseModel):
     spec_accepted_tokens: int = 0
 
 
+LOGPROB_FLOOR = -9999.0  # what a zero-probability token reports (vLLM reports the same)
+
+
 class TokenLogprob(BaseModel):
     """One generated token's raw model logprob (log-softmax of the logits before any sampling
     option), and the `top` most likely tokens at its position with theirs, most likely first."""
@@ -373,6 +376,16 @@ class TokenLogprob(BaseModel):
     logprob: float
     top_ids: list[int] = Field(default_factory=list)
     top_logprobs: list[float] = Field(default_factory=list)
+
+    @field_validator("logprob", "top_logprobs")
+    @classmethod
+    def _finite(cls, v):
+        """A token the model gives zero probability has logprob -inf, which JSON cannot carry (it
+        would travel as null and the event would be refused): floor it at LOGPROB_FLOOR, as vLLM's
+        OpenAI server does, so clients see a number."""
+        if isinstance(v, list):
+            return [max(x, LOGPROB_FLOOR) for x in v]
+        return max(v, LOGPROB_FLOOR)
 
 
 class StreamEvent(Message):

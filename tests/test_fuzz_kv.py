@@ -221,6 +221,17 @@ def test_a_nan_or_negative_count_is_refused(cls, field, value):
         cls.decode(raw.encode())
 
 
+def test_a_zero_probability_token_travels_as_a_finite_logprob():
+    """A masked token's logprob is -inf, which JSON would carry as null and the event's decoder would
+    then refuse: it travels floored at the value vLLM reports, and the event round-trips."""
+    ev = protocol.StreamEvent(request_id="r", seq=0, kind="token", worker_id="d", token_ids=[5],
+                              logprobs=[protocol.TokenLogprob(logprob=float("-inf"), top_ids=[1, 5],
+                                                              top_logprobs=[-0.1, float("-inf")])])
+    back = protocol.StreamEvent.decode(ev.encode())
+    assert back.logprobs[0].logprob == protocol.LOGPROB_FLOOR
+    assert back.logprobs[0].top_logprobs == [-0.1, protocol.LOGPROB_FLOOR]
+
+
 # ---- the real data port -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
