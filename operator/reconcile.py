@@ -27,6 +27,13 @@ MODELS_DIR = "/models"
 METRICS_PORT = 9100
 FRONT_CONTAINER_PORT = 8000
 POOLS = ("prefill", "decode")
+# A stopping pod (rolling update, scale-down) first finishes what it holds: the workers' drain
+# (PDSERVE_DRAIN_TIMEOUT_SECONDS) must end before the kubelet's SIGKILL, and the front keeps
+# accepting until kube-proxy has taken it out of its Service (no Service routes to the workers:
+# their `bye` on NATS stops the routers at once).
+DRAIN_TIMEOUT_S = 25
+FRONT_PRE_STOP_S = 5
+TERMINATION_GRACE_S = FRONT_PRE_STOP_S + DRAIN_TIMEOUT_S + 10
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,7 @@ def _env(body: dict, spec: dict, config: OperatorConfig, pool: str) -> list[dict
         {"name": "PDSERVE_POOL", "value": pool},
         {"name": "PDSERVE_MODEL_NAME", "value": served_model_name(body, spec)},
         {"name": "HOME", "value": "/tmp"},
+        {"name": "PDSERVE_DRAIN_TIMEOUT_SECONDS", "value": str(DRAIN_TIMEOUT_S)},
     ]
     if pool in POOLS:
         kv, t = spec[pool]["kv"], spec["kvTransfer"]
@@ -222,6 +230,8 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}},
     }
+    if pool == "front":
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(FRONT_PRE_STOP_S)]}}}
     # /dev/shm is memory: bounded, so the KV pools in it cannot grow past what the pod was given
     volumes: list[dict] = [{"name": "tmp", "emptyDir": {}},
                            {"name": "dshm", "emptyDir": {"medium": "Memory",
@@ -243,6 +253,7 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
     }
     if init:
         pod_spec["initContainers"] = init
