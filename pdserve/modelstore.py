@@ -89,6 +89,7 @@ def ensure_default_model(install: bool = True) -> Path:
     target = default_model_dir()
     marker = target / "pdserve-converted.json"
     if marker.is_file() and json.loads(marker.read_text()).get("version") == _CONVERSION_VERSION:
+        _world_readable(target)  # a cache converted before the weights were written readable
         return target
     gguf = _gguf_location(install)
     import torch
@@ -118,11 +119,19 @@ def ensure_default_model(install: bool = True) -> Path:
     (tmp / "pdserve-converted.json").write_text(
         json.dumps({"version": _CONVERSION_VERSION, "source": gguf.name, "seconds": time.monotonic() - t0})
     )
+    _world_readable(tmp)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     model_fingerprint(target)
     print(f"pdserve: model ready at {target} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
     return target
+
+
+def _world_readable(folder: Path) -> None:
+    """Weights are written owner-only (0600); pods mounting the folder run as another user."""
+    for f in folder.iterdir():
+        if f.is_file() and f.stat().st_mode & 0o044 != 0o044:
+            f.chmod(f.stat().st_mode | 0o044)
 
 
 def resolve_model(spec: str | None) -> Path:
