@@ -4,8 +4,9 @@
 Used by the pytest fixtures in tests/k8s/conftest.py and runnable by hand:
 
     python scripts/k8s-cluster.py            # starts, prints `export KUBECONFIG=...`, Ctrl-C stops
+    python scripts/k8s-cluster.py --node     # the same plus a real node: scripts/k8s-node.py
 
-No kubelet and no scheduler run: Pods stay Pending, and tests that need "ready" workloads
+Without --node no kubelet and no scheduler run: Pods stay Pending, and tests that need "ready" workloads
 patch Deployment/Pod status themselves. Binaries come from scripts/k8s-tools.sh
 (cached under ~/.cache/pdserve/k8s/bin). Authentication is a static admin token
 (system:masters), authorization RBAC, so RBAC objects that the chart installs are real.
@@ -222,6 +223,15 @@ class LocalCluster:
 
 
 def main() -> int:
+    if "--node" in sys.argv[1:]:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("pdserve_k8s_node", Path(__file__).with_name("k8s-node.py"))
+        node = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault("pdserve_k8s_cluster", sys.modules[__name__])
+        sys.modules["pdserve_k8s_node"] = node
+        spec.loader.exec_module(node)
+        return node.main()
     missing = missing_binaries()
     if missing:
         print(f"missing {missing}; run scripts/k8s-tools.sh", file=sys.stderr)
