@@ -161,12 +161,14 @@ def test_decode_pod_deleted_mid_stream_ends_the_stream_with_an_error_and_its_rep
                                                   "ignore_eos": True, "temperature": 0}, timeout=30)
     first = json.loads(next(stream))
     assert first["choices"][0]["text"] is not None
-    # Deleted without a grace period, the worker has no time to finish what it holds.
+    # Deleted without a grace period: the kubelet's SIGTERM is followed by SIGKILL within 2 s,
+    # too soon to finish 4000 tokens. The worker says it is going ("unavailable") or the
+    # registry sees its heartbeats stop ("worker_lost"): either way an error, not a silence.
     tools.kubectl("delete", "pod", "-n", APP_NS, decode["metadata"]["name"], "--grace-period=0", "--force")
     rest = list(stream)
     errors = [json.loads(e)["error"] for e in rest if e != "[DONE]" and "error" in json.loads(e)]
     assert "[DONE]" not in rest
-    assert len(errors) == 1 and errors[0]["code"] == "worker_lost", errors
+    assert len(errors) == 1 and errors[0]["code"] in ("unavailable", "worker_lost"), errors
     assert rest[-1] != "[DONE]" and "error" in json.loads(rest[-1])
 
     (replacement,) = wait_pods_ready(tools, APP_NS, selector(name, "decode"), 1)
