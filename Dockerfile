@@ -10,6 +10,8 @@
 #   PIP_CONSTRAINT, PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL, PIP_CERT
 #                   pip's own settings, e.g. a constraints file pinning torch==2.13.0+cpu and a
 #                   folder holding that wheel make a CPU-only image
+# Layers: the dependencies (gigabytes for the workers) come from pyproject.toml alone, pdserve
+# itself from a wheel on top, so a source change rebuilds and ships only a small layer.
 ARG BASE=python:3.11-slim-bookworm
 
 # The sources the images install: the package folders of pyproject.toml's package-dir.
@@ -24,40 +26,14 @@ COPY kernels /src/kernels
 COPY front /src/front
 COPY autoscale /src/autoscale
 
-FROM ${BASE} AS build
+FROM ${BASE} AS wheel
 ARG PIP_CONSTRAINT
 ARG PIP_FIND_LINKS
 ARG PIP_EXTRA_INDEX_URL
 ARG PIP_CERT
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-WORKDIR /src
-# Dependencies from pyproject.toml alone, before the sources: a source change reuses this layer
-# (copied from the build context, which layer caches key by content).
-COPY pyproject.toml ./
-# PyPI's Linux torch wheel carries CUDA; the GPU comes from the node's driver (NVIDIA device plugin).
-RUN python -m venv /opt/pdserve \
- && python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/requirements.txt \
- && /opt/pdserve/bin/pip install -r /tmp/requirements.txt
-COPY --from=sources /src ./
-RUN /opt/pdserve/bin/pip install --no-deps .
-
-# The operator's dependencies are the project's own requirements for the distributions named in
-# [tool.pdserve] operator-image (kopf and the Kubernetes client): no torch, no CUDA stack.
-FROM ${BASE} AS operator-build
-ARG PIP_CONSTRAINT
-ARG PIP_FIND_LINKS
-ARG PIP_EXTRA_INDEX_URL
-ARG PIP_CERT
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-WORKDIR /src
-COPY pyproject.toml ./
-RUN python -m venv /opt/pdserve \
- && python -c 'import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb")); keep = set(p["tool"]["pdserve"]["operator-image"]); print("\n".join(d for d in p["project"]["dependencies"] if re.split(r"[<>=!~ \[;]", d)[0] in keep))' > /tmp/requirements.txt \
- && /opt/pdserve/bin/pip install -r /tmp/requirements.txt
-COPY --from=sources /src ./
-# The check runs from / so that /src/pdserve cannot stand in for the installed package.
-RUN /opt/pdserve/bin/pip install --no-deps . \
- && cd / && /opt/pdserve/bin/python -c 'import sys, pdserve.operator.handlers; heavy = {"torch", "triton", "transformers", "numpy"} & set(sys.modules); sys.exit(f"operator imports {heavy}" if heavy else 0)'
+COPY --from=sources /src /src
+RUN python -m venv /tmp/venv \
+ && PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 /tmp/venv/bin/pip wheel --no-deps -w /wheels /src
 
 FROM ${BASE} AS runtime
 ENV PATH=/opt/pdserve/bin:$PATH \
@@ -69,8 +45,22 @@ RUN groupadd --gid 10001 pdserve \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pdserve \
  && mkdir -p /models && chown 10001:10001 /models
 
+# The operator installs only the project's requirements for the distributions named in
+# [tool.pdserve] operator-image (kopf and the Kubernetes client): no torch, no CUDA stack.
 FROM runtime AS operator
-COPY --from=operator-build /opt/pdserve /opt/pdserve
+ARG PIP_CONSTRAINT
+ARG PIP_FIND_LINKS
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_CERT
+# copied from the build context, which layer caches key by content
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python -m venv /opt/pdserve \
+ && python -c 'import re, tomllib; p = tomllib.load(open("/tmp/pyproject.toml", "rb")); keep = set(p["tool"]["pdserve"]["operator-image"]); print("\n".join(d for d in p["project"]["dependencies"] if re.split(r"[<>=!~ \[;]", d)[0] in keep))' > /tmp/requirements.txt \
+ && PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 /opt/pdserve/bin/pip install -r /tmp/requirements.txt \
+ && rm /tmp/pyproject.toml /tmp/requirements.txt
+COPY --from=wheel /wheels /wheels
+RUN PIP_DISABLE_PIP_VERSION_CHECK=1 /opt/pdserve/bin/pip install --no-deps --no-index /wheels/*.whl \
+ && /opt/pdserve/bin/python -c 'import sys, pdserve.operator.handlers; heavy = {"torch", "triton", "transformers", "numpy"} & set(sys.modules); sys.exit(f"operator imports {heavy}" if heavy else 0)'
 USER 10001:10001
 # liveness 8080, admission webhook 9443.
 EXPOSE 8080 9443
@@ -78,7 +68,18 @@ ENTRYPOINT []
 CMD ["pdserve", "operator"]
 
 FROM runtime
-COPY --from=build /opt/pdserve /opt/pdserve
+ARG PIP_CONSTRAINT
+ARG PIP_FIND_LINKS
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_CERT
+COPY pyproject.toml /tmp/pyproject.toml
+# PyPI's Linux torch wheel carries CUDA; the GPU comes from the node's driver (NVIDIA device plugin).
+RUN python -m venv /opt/pdserve \
+ && python -c 'import tomllib; print("\n".join(tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/requirements.txt \
+ && PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 /opt/pdserve/bin/pip install -r /tmp/requirements.txt \
+ && rm /tmp/pyproject.toml /tmp/requirements.txt
+COPY --from=wheel /wheels /wheels
+RUN PIP_DISABLE_PIP_VERSION_CHECK=1 /opt/pdserve/bin/pip install --no-deps --no-index /wheels/*.whl
 USER 10001:10001
 VOLUME ["/models"]
 # data ports (prefill 7100, decode 7200), metrics 9100, HTTP front 8000, operator webhook 9443.
