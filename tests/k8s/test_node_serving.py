@@ -43,13 +43,18 @@ def release(tools):
 
 @pytest.fixture(scope="module")
 def isvc(tools, release, model_dir):
-    """The minimal example applied in APP_NS; yields (name, spec as applied)."""
+    """The minimal example applied in APP_NS, its pods and status Ready; yields (name, spec as applied)."""
     fresh_namespace(tools, APP_NS)
     pv, pvc, obj = minimal_example(model_dir.parent, APP_NS)
     tools.kubectl("delete", "pv", pv["metadata"]["name"], "--ignore-not-found")
+    name = obj["metadata"]["name"]
     try:
         apply(tools, pv, pvc, obj)
-        yield obj["metadata"]["name"], obj
+        for pool in ("prefill", "decode", "front"):
+            wait_pods_ready(tools, APP_NS, selector(name, pool), 1)
+        wait_for(lambda: (tools.get("pdis", name, "-n", APP_NS).get("status") or {}).get("ready") == "True",
+                 "InferenceService Ready", 120)
+        yield name, obj
     finally:
         tools.kubectl("delete", "namespace", APP_NS, "--wait=false", check=False)
         tools.kubectl("delete", "pv", pv["metadata"]["name"], "--wait=false", check=False)
@@ -104,13 +109,11 @@ def test_helm_install_operator_ready_and_webhook_refuses_invalid_spec(tools, rel
 def test_minimal_example_pods_ready_through_real_probes(tools, isvc):
     name, _ = isvc
     for pool in ("prefill", "decode", "front"):
-        (pod,) = wait_pods_ready(tools, APP_NS, selector(name, pool), 1)
+        (pod,) = pods(tools, APP_NS, selector(name, pool))
+        assert pod_ready(pod)
         (container,) = pod["spec"]["containers"]
         assert container["readinessProbe"]["httpGet"]  # Ready came from the kubelet probing it
         assert pod["spec"]["nodeName"] == "pdserve-node"
-    ready = wait_for(lambda: (tools.get("pdis", name, "-n", APP_NS).get("status") or {}).get("ready") == "True",
-                     "InferenceService Ready", 120)
-    assert ready
     table = tools.kubectl("get", "pdis", "-n", APP_NS).stdout.splitlines()
     assert table[0].split()[:5] == ["NAME", "MODEL", "PREFILL", "DECODE", "READY"]
     assert table[1].split()[:5] == [name, "SmolLM2-135M-Instruct", "1/1", "1/1", "True"]
@@ -198,7 +201,8 @@ def test_real_load_scales_decode_up_and_back_down_without_a_failed_request(k8s_n
                    "metric": {"name": "pdserve_decode_running_sequences", "targetAverageValue": "1"}}
     tools.kubectl("patch", "pdis", name, "-n", APP_NS, "--type=merge",
                   "-p", json.dumps({"spec": {"decode": {"autoscaling": autoscaling}}}))
-    wait_for(lambda: tools.get("hpa", f"{name}-decode", "-n", APP_NS)["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    hpa = "horizontalpodautoscalers.v2beta2.autoscaling"  # kubectl's default, v1, has no custom metrics
+    wait_for(lambda: tools.get(hpa, f"{name}-decode", "-n", APP_NS)["spec"]["metrics"][0]["pods"]["metric"]["name"]
              == "pdserve_decode_running_sequences", "decode HPA on running sequences", 60)
     (first,) = wait_pods_ready(tools, APP_NS, selector(name, "decode"), 1)
 
