@@ -226,17 +226,19 @@ def main() -> int:
     if "--node" in sys.argv[1:]:
         import importlib.util
 
-        spec = importlib.util.spec_from_file_location("pdserve_k8s_node", Path(__file__).with_name("k8s-node.py"))
-        node = importlib.util.module_from_spec(spec)
         sys.modules.setdefault("pdserve_k8s_cluster", sys.modules[__name__])
-        sys.modules["pdserve_k8s_node"] = node
+        spec = importlib.util.spec_from_file_location("pdserve_k8s_node", Path(__file__).with_name("k8s-node.py"))
+        node = sys.modules["pdserve_k8s_node"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(node)
-        return node.main()
-    missing = missing_binaries()
+        missing, cluster = node.missing_node_parts(), node.NodeCluster(
+            controller_args=["--horizontal-pod-autoscaler-sync-period=5s"])
+    else:
+        missing, cluster = missing_binaries(), LocalCluster()
     if missing:
-        print(f"missing {missing}; run scripts/k8s-tools.sh", file=sys.stderr)
+        print(f"missing {missing}; run scripts/k8s-tools.sh (and scripts/setup.sh for a node)", file=sys.stderr)
         return 1
-    with LocalCluster() as c:
+    with cluster as c:
+        # A node's workdir is what PDSERVE_K8S_NODE takes to run tests against it.
         print(f"export KUBECONFIG={c.kubeconfig}   # Ctrl-C stops the cluster; logs in {c.workdir}", flush=True)
         try:
             while True:

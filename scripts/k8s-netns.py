@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Linux plumbing for the node harness (scripts/k8s-node.py): loopback relays into a network
 namespace, and the cgroup tree that holds every process of one node so that it can be ended
 whole, even after its harness was killed outright."""

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """A real single-node Kubernetes cluster inside one network namespace the harness creates.
 
     python scripts/k8s-cluster.py --node     # starts, prints `export KUBECONFIG=...`, Ctrl-C stops
@@ -28,6 +27,10 @@ kubelet writes; the host's files, mounts and sysctls stay as they are. Every pro
 included, runs in cgroups under /pdserve-node-<harness pid>: stop() kills that tree and removes
 it; a harness killed outright is swept by the next one (owner pid dead). Daemons also get
 SIGTERM when the harness dies (`_die_with_parent`).
+
+Images (scripts/k8s-images.py) are imported into containerd's store under ~/.cache/pdserve/k8s/node,
+kept across runs so a warm start imports nothing; a second node running at the same time gets a
+private store of its own.
 """
 from __future__ import annotations
 
@@ -604,20 +607,3 @@ class NodeCluster(cluster_mod.LocalCluster):
                 last = e.reason
             time.sleep(0.5)
         raise TimeoutError(f"node {NODE_NAME} not Ready ({last}); logs in {self.workdir}")
-
-
-def main() -> int:
-    with NodeCluster(controller_args=["--horizontal-pod-autoscaler-sync-period=5s"]) as c:
-        refs = ", ".join(f"{n}={i.ref}" for n, i in c.images.items())
-        print(f"export KUBECONFIG={c.kubeconfig}   # node Ready; images {refs}; Ctrl-C stops; logs in {c.workdir}",
-              flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

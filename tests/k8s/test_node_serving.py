@@ -14,7 +14,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 from k8swait import wait_for
 from nodehelpers import (RELEASE, SYSTEM_NS, Load, Tools, apply, fresh_namespace, install_chart, minimal_example,
                          pod_ready, pods, sse_events, wait_pods_ready)
@@ -58,16 +57,6 @@ def isvc(tools, release, model_dir):
     finally:
         tools.kubectl("delete", "namespace", APP_NS, "--wait=false", check=False)
         tools.kubectl("delete", "pv", pv["metadata"]["name"], "--wait=false", check=False)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return tok, model
 
 
 def selector(name: str, pool: str) -> str:
