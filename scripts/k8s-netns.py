@@ -120,34 +120,40 @@ class NetnsRelay:
 # ---------------------------------------------------------------- cgroups
 
 def hierarchies() -> list[Path]:
-    """The cgroup v1 hierarchies this machine mounts (cpu, memory, pids, ..., name=systemd)."""
+    """The cgroup hierarchies this machine mounts (v1: cpu, memory, pids, ..., name=systemd; v2: unified)."""
     return sorted(p for p in CGROUP_FS.iterdir() if p.is_dir() and not p.is_symlink()
-                  and p.name != "unified" and (p / "cgroup.procs").exists())
+                  and (p / "cgroup.procs").exists())
 
 
 def cgroup_tree(root: Path) -> list[Path]:
-    """root and every cgroup below it, deepest first."""
-    if not root.is_dir():
+    """root and every cgroup below it, deepest first (cgroups that vanish meanwhile are skipped:
+    runc removes a container's as it ends)."""
+    return [Path(d) for d, _, _ in os.walk(root, topdown=False)]
+
+
+def _procs(cg: Path) -> list[int]:
+    try:
+        return [int(p) for p in (cg / "cgroup.procs").read_text().split()]
+    except OSError:  # removed meanwhile
         return []
-    return sorted((p for p in [root, *root.rglob("*")] if p.is_dir() and (p / "cgroup.procs").exists()),
-                  key=lambda p: len(p.parts), reverse=True)
 
 
 def kill_cgroups(name: str) -> None:
-    """SIGKILL every process under /<name> in every hierarchy, then remove the cgroups."""
+    """SIGKILL every process under /<name> in every hierarchy, until none is left."""
     for _ in range(100):
-        pids = set()
-        for h in hierarchies():
-            for cg in cgroup_tree(h / name):
-                pids.update(int(p) for p in (cg / "cgroup.procs").read_text().split())
+        pids = {pid for h in hierarchies() for cg in cgroup_tree(h / name) for pid in _procs(cg)}
         if not pids:
-            break
+            return
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        time.sleep(0.1)  # reaping takes a moment; the loop re-reads what is left
+        time.sleep(0.1)  # dying takes a moment; the loop re-reads what is left
+
+
+def remove_cgroups(name: str) -> None:
+    """Remove the (emptied) cgroup tree /<name> from every hierarchy."""
     for h in hierarchies():
         for cg in cgroup_tree(h / name):
             try:
@@ -163,6 +169,7 @@ def sweep_stale_nodes() -> None:
             owner = cg.name.removeprefix(CGROUP_PREFIX)
             if owner.isdigit() and not Path(f"/proc/{owner}").exists():
                 kill_cgroups(cg.name)
+                remove_cgroups(cg.name)
 
 
 def make_cgroups(name: str) -> None:

@@ -182,13 +182,15 @@ class NodeCluster(cluster_mod.LocalCluster):
             self._relay = None
         if self._cgroup:
             netns_mod.kill_cgroups(self._cgroup)  # daemons, shims, containers: every process of the node
-            self._cgroup = ""
         for p in self._procs:
             p.wait()
         self._procs.clear()
         if self._holder:
             self._holder.wait()
             self._holder = None
+        if self._cgroup:
+            netns_mod.remove_cgroups(self._cgroup)  # once our own children are reaped
+            self._cgroup = ""
         if self._store_lock is not None:
             self._store_lock.close()  # the next node may use the image store
             self._store_lock = None
