@@ -116,6 +116,7 @@ class Builder:
                 if stale.is_dir() and stale != self.store:
                     shutil.rmtree(stale, ignore_errors=True)
             self._runroot = Path(tempfile.mkdtemp(prefix="pdserve-buildah-run-"))
+            self._new_epoch()
             try:
                 base = self.base()
                 return {"pause": self.pause(), "nats": self.nats(), "operator": self.project("operator", base),
@@ -123,30 +124,49 @@ class Builder:
             finally:
                 shutil.rmtree(self._runroot, ignore_errors=True)
 
+    def _new_epoch(self) -> None:
+        """Empty buildah's store when what the dependency layers are made of changed: every layer
+        is rebuilt then anyway, and the store keeps one generation instead of growing by
+        gigabytes per change. Source changes within a generation add small layers only."""
+        epoch = _digest(RECIPE, (REPO / "Dockerfile").read_text(), (REPO / "pyproject.toml").read_text(),
+                        _constraints(), *_pip_settings()[0])
+        marker = self.cache / "buildah.epoch"
+        if marker.is_file() and marker.read_text() == epoch:
+            return
+        if self.store.exists():
+            say("the images' dependencies changed: starting a new layer cache")
+            shutil.rmtree(self.store)
+        marker.write_text(epoch)
+
     # ------------------------------------------------------------ the images
 
     def base(self) -> str:
-        """The Debian base (a local image reference in buildah's store; never exported)."""
+        """The Debian base (a local image reference in buildah's store; never exported). Its
+        root file system is kept as a tar beside the store, which may be emptied."""
         key = _digest(RECIPE, "bookworm", "minbase", *BASE_PACKAGES)
         ref = f"{REGISTRY}/base:{key}"
         if self._has(ref):
             return ref
-        say(f"debootstrap bookworm minbase + {', '.join(BASE_PACKAGES)} (a few minutes, once)")
-        work = Path(tempfile.mkdtemp(prefix="base-", dir=self.cache))
-        try:
-            root = work / "rootfs"
-            # debootstrap mounts /proc and /sys in the target: inside _run's private namespace.
-            _run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
-                  "bookworm", root, _debian_mirror()], "debootstrap", self.log)
-            for junk in ("var/lib/apt/lists", "var/cache/apt/archives", "var/log"):
-                shutil.rmtree(root / junk, ignore_errors=True)
-            (root / "var/lib/apt/lists/partial").mkdir(parents=True)
-            _run(["tar", "-C", root, "--numeric-owner", "-cf", work / "rootfs.tar", "."], "tar rootfs", self.log)
-            shutil.rmtree(root)
-            (work / "Containerfile").write_text("FROM scratch\nADD rootfs.tar /\nCMD [\"python3\"]\n")
-            self._bud(work, ref)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        rootfs = self.cache / f"base-{key}.tar"
+        if not rootfs.is_file():
+            say(f"debootstrap bookworm minbase + {', '.join(BASE_PACKAGES)} (a few minutes, once)")
+            work = Path(tempfile.mkdtemp(prefix="base-", dir=self.cache))
+            try:
+                root = work / "rootfs"
+                # debootstrap mounts /proc and /sys in the target: inside _run's private namespace.
+                _run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
+                      "bookworm", root, _debian_mirror()], "debootstrap", self.log)
+                for junk in ("var/lib/apt/lists", "var/cache/apt/archives", "var/log"):
+                    shutil.rmtree(root / junk, ignore_errors=True)
+                (root / "var/lib/apt/lists/partial").mkdir(parents=True)
+                _run(["tar", "-C", root, "--numeric-owner", "-cf", work / "rootfs.tar", "."], "tar rootfs", self.log)
+                (work / "rootfs.tar").rename(rootfs)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=self.cache) as ctx:
+            os.link(rootfs, Path(ctx) / "rootfs.tar")
+            (Path(ctx) / "Containerfile").write_text("FROM scratch\nADD rootfs.tar /\nCMD [\"python3\"]\n")
+            self._bud(Path(ctx), ref)
         return ref
 
     def pause(self) -> Image:
