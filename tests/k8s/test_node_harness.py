@@ -92,8 +92,11 @@ def test_pods_behind_a_service_answer_the_node_and_another_pod_by_dns_name(k8s_n
     seen = set()
 
     def both():
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=10) as r:
-            seen.add(json.loads(r.read())["server_id"])
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=10) as r:
+                seen.add(json.loads(r.read())["server_id"])
+        except OSError:  # refused until kube-proxy has written the new Service's rules
+            return False
         return len(seen) == 2
     wait_for(both, "answers from both pods through the Service", 60)
 
