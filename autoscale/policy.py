@@ -6,9 +6,10 @@ inside a prefill:decode ratio band. The arithmetic is the HPA's own (`desired = 
 value / target)` per metric, the maximum over metrics, a ±10 % tolerance, scale-down to the
 highest recommendation of a stabilisation window, scale-up limited to max(2×, +4) per sync),
 so that what the simulator (`bench/autoscale_sim.py`) shows is what HPAs rendered from the same
-targets do in a cluster. The operator keeps the ratio with HPAs by raising each pool's
-`minReplicas` to `ratio_bounds(...)`; `PairedPolicy` does the same in one place for the
-simulator and for anyone who drives replica counts directly.
+targets do in a cluster. The band's arithmetic lives in `prefill_range` and `decode_range`: the
+operator bounds the prefill pool's HPA with `prefill_range` of the decode pool's replicas (decode,
+whose KV capacity is the scarce resource, is the anchor); `PairedPolicy` holds the band for both
+pools in one place, for the simulator and for anyone who drives replica counts directly.
 
 Ratios are prefill replicas ÷ decode replicas. Nothing here talks to Kubernetes or NATS.
 """
@@ -114,17 +115,32 @@ def decode_desired(current: int, signals: DecodeSignals, targets: PoolTargets) -
     return max(recs)
 
 
+def prefill_range(decode: int, min_ratio: float | None, max_ratio: float | None) -> tuple[int | None, int | None]:
+    """The prefill replica counts (fewest, most) that keep prefill ÷ decode within [min_ratio, max_ratio]
+    beside `decode` decode replicas: (ceil(min_ratio × decode), floor(max_ratio × decode)); None for a
+    side of the band that is not set."""
+    fewest = None if min_ratio is None else math.ceil(min_ratio * decode - 1e-9)
+    most = None if max_ratio is None else math.floor(max_ratio * decode + 1e-9)
+    return fewest, most
+
+
+def decode_range(prefill: int, min_ratio: float, max_ratio: float) -> tuple[int, int]:
+    """The decode replica counts (fewest, most) that keep prefill ÷ decode within [min_ratio, max_ratio]
+    beside `prefill` prefill replicas: (ceil(prefill ÷ max_ratio), floor(prefill ÷ min_ratio))."""
+    return math.ceil(prefill / max_ratio - 1e-9), math.floor(prefill / min_ratio + 1e-9)
+
+
 def ratio_bounds(prefill_desired: int, decode_desired: int, min_ratio: float, max_ratio: float) -> tuple[int, int]:
     """Floors that keep prefill ÷ decode within [min_ratio, max_ratio]: (prefill_min, decode_min).
 
     The ratio is restored by raising the pool that fell behind, never by cutting the one that
     asked for capacity: prefill_min = ceil(min_ratio × decode_desired), decode_min =
-    ceil(prefill_desired ÷ max_ratio). The operator writes these into the HPAs' `minReplicas`
-    (never below the user's own minimum).
+    ceil(prefill_desired ÷ max_ratio). `paired_replicas` raises the pools to these.
     """
     if not 0 < min_ratio <= max_ratio:
         raise ValueError(f"need 0 < min_ratio <= max_ratio, got {min_ratio}, {max_ratio}")
-    return math.ceil(min_ratio * decode_desired - 1e-9), math.ceil(prefill_desired / max_ratio - 1e-9)
+    prefill_min = prefill_range(decode_desired, min_ratio, max_ratio)[0]
+    return prefill_min, decode_range(prefill_desired, min_ratio, max_ratio)[0]
 
 
 def paired_replicas(
@@ -143,9 +159,9 @@ def paired_replicas(
     d = min(max(d, d_min), decode_targets.max_replicas)
     # Still outside the band only when a pool hit its maximum: bring the other one down to fit.
     if d > 0 and p / d < min_ratio:
-        d = max(decode_targets.min_replicas, math.floor(p / min_ratio + 1e-9))
+        d = max(decode_targets.min_replicas, decode_range(p, min_ratio, max_ratio)[1])
     if d > 0 and p / d > max_ratio:
-        p = max(prefill_targets.min_replicas, math.floor(d * max_ratio + 1e-9))
+        p = max(prefill_targets.min_replicas, prefill_range(d, min_ratio, max_ratio)[1])
     return p, d
 
 

@@ -54,11 +54,11 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from pdserve.kvtransfer.channel import KVReceiveChannel, KVSendChannel  # noqa: E402
+from pdserve.basetypes import KVLayout, SamplingParams  # noqa: E402
 from pdserve.kvtransfer.compression import wire_bytes  # noqa: E402
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout  # noqa: E402
+from pdserve.kvtransfer.layout import KVBlocks  # noqa: E402
 from pdserve.kvtransfer.protocol import HandoffOffer, HandoffReply  # noqa: E402
-from pdserve.kvtransfer.tcp import KVReceiver  # noqa: E402
-from pdserve.sampling import SamplingParams  # noqa: E402
+from pdserve.kvtransfer.tcp_server import KVReceiver  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -25,12 +25,13 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from pdserve.basetypes import SamplingParams
 from pdserve.runtime import crop_cache  # one definition; re-exported for drafters' callers
+from pdserve.sampling import processed_probs
 
 __all__ = [
     "Draft",
     "Drafter",
-    "SamplingSpec",
     "NgramDrafter",
     "DraftModelDrafter",
     "NoDrafter",
@@ -38,29 +39,12 @@ __all__ = [
     "TokenizerMismatchError",
     "check_tokenizer_compatible",
     "tokenizer_fingerprint",
-    "process_logits",
     "crop_cache",
     "make_drafter",
 ]
 
 
-@dataclass(frozen=True)
-class SamplingSpec:
-    """How one request samples. ``temperature == 0`` (or ``None`` spec) means greedy.
-
-    ``top_k <= 0`` and ``top_p >= 1`` disable those filters.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-
-def is_greedy(sampling: SamplingSpec | None) -> bool:
+def is_greedy(sampling: SamplingParams | None) -> bool:
     return sampling is None or sampling.greedy
 
 
@@ -86,7 +70,7 @@ class Drafter(Protocol):
     name: str
 
     async def propose(
-        self, request_id: str, token_ids: Sequence[int], k: int, sampling: SamplingSpec | None = None
+        self, request_id: str, token_ids: Sequence[int], k: int, sampling: SamplingParams | None = None
     ) -> Draft: ...
 
     def feedback(self, request_id: str, num_accepted: int, new_token_ids: Sequence[int]) -> None: ...
@@ -390,26 +374,6 @@ def check_tokenizer_compatible(target_tok: Any, draft_tok: Any) -> None:
 # Draft model
 
 
-def process_logits(logits: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor:
-    """Processed sampling distribution of one request: logits ``[..., V]`` → probabilities
-    ``[..., V]`` float32 (temperature, then top-k, then top-p).
-
-    Delegates to the verifier's own reference (``kernels.spec_verify.process_logits``), so a
-    draft samples from exactly the distribution the verification kernel assumes it did.
-    """
-    from pdserve.kernels.spec_verify import process_logits as verifier_process_logits
-
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    n = flat.shape[0]
-    probs = verifier_process_logits(
-        flat,
-        torch.full((n,), float(sampling.temperature), dtype=torch.float32),
-        torch.full((n,), int(sampling.top_k), dtype=torch.long),
-        torch.full((n,), float(sampling.top_p), dtype=torch.float32),
-    )
-    return probs.reshape(logits.shape)
-
-
 @dataclass
 class _DraftState:
     cache: Any
@@ -466,7 +430,7 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def propose_now(
-        self, request_id: str, token_ids: Sequence[int], k: int, sampling: SamplingSpec | None = None
+        self, request_id: str, token_ids: Sequence[int], k: int, sampling: SamplingParams | None = None
     ) -> Draft:
         """Synchronous :meth:`propose`: one draft forward per proposed token (plus catch-up)."""
         toks = [int(t) for t in token_ids]
@@ -496,7 +460,7 @@ class DraftModelDrafter:
             if greedy:
                 tok = int(torch.argmax(logits))
             else:
-                p = process_logits(logits, sampling)
+                p = processed_probs(logits.view(1, -1), sampling)[0]
                 tok = int(torch.multinomial(p, 1, generator=self._gen))
                 probs_rows.append(p)
             proposal.append(tok)

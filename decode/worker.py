@@ -12,11 +12,9 @@ failure policy decides — recompute the prompt here, or fail the request with t
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import logging
-import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -24,17 +22,18 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from pdserve.decode.drafters import SamplingSpec, make_drafter
-from pdserve.engine.blocks import OutOfBlocks
+from pdserve.basetypes import LayoutMismatch
+from pdserve.config import DecodeConfig
+from pdserve.decode.drafters import make_drafter
 from pdserve.decode.speculation import SpanTracker, SpeculationController
+from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
 from pdserve.kernels.spec_verify import verify, verify_greedy
-
-from pdserve.kvtransfer.layout import LayoutMismatch
+from pdserve.kvtransfer.channel import KVReceiveChannel
+from pdserve.kvtransfer.frames import TransferError
 from pdserve.kvtransfer.protocol import (
     Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
 )
-from pdserve.kvtransfer.channel import KVReceiveChannel
-from pdserve.kvtransfer.tcp import KVReceiver, TransferError
+from pdserve.kvtransfer.tcp_server import KVReceiver
 from pdserve.sampling import TextStream, verification_randomness
 from pdserve.workerbase import WorkerBase, run_worker
 
@@ -82,12 +81,16 @@ def next_batch(running: "OrderedDict[str, Sequence]", max_batch: int) -> list[Se
 
 class DecodeWorker(WorkerBase):
     role = "decode"
+    settings = DecodeConfig
+    args: DecodeConfig
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: DecodeConfig):
         super().__init__(args)
         self.receiver = KVReceiver(self.runner.layout, host=args.data_host, port=args.data_port,
-                                   advertise_host=args.advertise_host, stall_timeout=args.transfer_timeout)
-        self.transfer_timeout = args.transfer_timeout
+                                   advertise_host=args.advertise_host, stall_timeout=args.kv.timeout,
+                                   shm_pool_bytes=args.kv.shm_pool_bytes, keep_idle_s=args.kv.keep_idle_s,
+                                   max_kept=args.kv.max_kept)
+        self.transfer_timeout = args.kv.timeout
         self.max_running = args.max_running
         self.kv_capacity = args.kv_capacity_bytes
         self._stepping: set[str] = set()
@@ -97,14 +100,19 @@ class DecodeWorker(WorkerBase):
         self._cancelled: set[str] = set()
         self._wake = asyncio.Event()
         self._recent_itl: deque[float] = deque(maxlen=64)
-        self.spec_method = args.spec_method
-        self.spec_max_k = args.spec_max_k if args.spec_method != "none" else 0
-        self.engine = self._make_engine(args)
+        self.spec_method = args.spec.method
+        self.spec_max_k = args.spec.max_k if args.spec.method != "none" else 0
+        try:
+            # no prefix cache: decode never looks prompts up, and cached blocks would fragment the free space
+            self.engine = create_engine(self.runner, kind=args.engine, kv_capacity_bytes=args.kv_capacity_bytes,
+                                        prefix_cache=False, small_step_weights=args.cpu_weight_layouts)
+        except EngineUnavailable as e:
+            raise SystemExit(str(e)) from None
         self.max_batch = args.max_batch
         self.preempted: deque[Sequence] = deque()
-        self.spec_k_policy = args.spec_k_policy
+        self.spec_k_policy = args.spec.k_policy
         self.drafter = self._make_drafter(args)
-        self.controller = SpeculationController(method=args.spec_method)
+        self.controller = SpeculationController(method=args.spec.method)
         # The fused Triton verifier on GPUs; the torch reference (same function) on the CPU.
         self.verify_impl = "triton" if self.runner.device.type == "cuda" else "reference"
         r = self.registry
@@ -116,7 +124,8 @@ class DecodeWorker(WorkerBase):
               ).set_function(lambda: self.receiving + len(self.preempted))
         Gauge("pdserve_transfer_backlog_handoffs", "KV handoffs being received", registry=r
               ).set_function(lambda: self.receiving)
-        self.m_kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes received from prefill", registry=r)
+        self.m_kv_bytes = Counter("pdserve_kv_transfer_received_bytes_total",
+                                  "KV bytes received from prefill (uncompressed)", registry=r)
         self.m_kv_wire = Counter("pdserve_kv_transfer_wire_bytes_total", "bytes the received KV took on the wire",
                                  ["transport", "compression"], registry=r)
         self.m_preempted = Counter("pdserve_decode_preemptions_total", "sequences preempted for KV room",
@@ -137,35 +146,15 @@ class DecodeWorker(WorkerBase):
         self.m_spec_k = Histogram("pdserve_spec_chosen_k", "speculation length chosen per step", registry=r,
                                   buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
 
-    def _make_engine(self, args):
-        """The paged engine (block pool, batched steps) for Llama-family models; a dense
-        per-sequence engine for anything else."""
-        if args.engine in ("auto", "paged") and self.runner.config.model_type == "llama":
-            from pdserve.engine.runner import PagedRunner
-
-            blocks = max(16, args.kv_capacity_bytes // (self.runner.layout.block_bytes * self.runner.layout.num_layers))
-            # no prefix cache: decode never looks prompts up, and cached blocks would fragment the free space
-            engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
-                                 block_size=self.runner.layout.block_size, num_blocks=blocks, prefix_cache=False,
-                                 small_step_weights=args.cpu_weight_layouts)
-            self.runner.layout.check_matches(engine.layout, what="paged engine")
-            return engine
-        if args.engine == "paged":
-            raise SystemExit(f"--engine paged runs Llama-family models; {self.runner.config.model_type} is not one")
-        from pdserve.runtime import DenseEngine
-
-        return DenseEngine(self.runner, args.kv_capacity_bytes)
-
-    def _make_drafter(self, args):
-        if args.spec_method == "draft":
-            if not args.draft_model:
-                raise SystemExit("--spec-method draft needs --draft-model PATH (a model sharing the target's tokenizer)")
+    def _make_drafter(self, args: DecodeConfig):
+        if args.spec.method == "draft":  # DecodeConfig makes sure a draft model is named
             from pdserve.modelstore import resolve_model
 
-            # refused here, at load, if its tokenizer differs from the target's
-            return make_drafter("draft", path=str(resolve_model(args.draft_model)),
-                                target_tokenizer=self.runner.tokenizer)
-        return make_drafter(args.spec_method)
+            # refused here, at load, if its tokenizer differs from the target's; its forwards run off
+            # the event loop, which must keep heartbeats and token streams flowing meanwhile
+            return make_drafter("draft", path=str(resolve_model(args.spec.draft_model)),
+                                target_tokenizer=self.runner.tokenizer, run_in_thread=True)
+        return make_drafter(args.spec.method)
 
     def data_addr(self) -> str | None:
         return self.receiver.address if self.receiver.port else None
@@ -187,7 +176,7 @@ class DecodeWorker(WorkerBase):
         await self.receiver.start()
         self.kv_channel = KVReceiveChannel(self.receiver, self.nc, worker_id=self.worker_id,
                                            stall_timeout=self.transfer_timeout,
-                                           compressions=dict.fromkeys(("none", self.args.kv_compression)))
+                                           compressions=dict.fromkeys(("none", self.args.kv.compression)))
         await self.nc.subscribe(Subjects.decode_handoff(self.scope, self.worker_id), cb=self._on_offer)
         await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
         self.spawn(self._decode_loop())
@@ -374,8 +363,7 @@ class DecodeWorker(WorkerBase):
         if not s.max_k or room <= 0:
             self.m_spec_k.observe(0)
             return None
-        sp = s.offer.sampling
-        sampling = SamplingSpec(sp.temperature, sp.top_k, sp.top_p)
+        sampling = s.offer.sampling
         max_k = min(s.max_k, room)
         confidence = getattr(self.drafter, "confidence", None)
         if confidence is not None and self.spec_k_policy == "adaptive":
@@ -561,40 +549,5 @@ class DecodeWorker(WorkerBase):
                                          spec_accepted_tokens=s.accepted_tokens))
 
 
-def _args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-host", default="127.0.0.1", help="bind address of the KV data port")
-    p.add_argument("--data-port", type=int, default=0, help="KV data port (0 = any free port)")
-    p.add_argument("--advertise-host", default=None, help="address prefill should dial (default: $POD_IP or --data-host)")
-    p.add_argument("--transfer-timeout", type=float, default=float(os.environ.get("PDSERVE_KV_TIMEOUT_SECONDS", "30")), help="seconds a KV transfer may stall before it fails")
-    p.add_argument("--max-running", type=int, default=64, help="sequences admitted at once")
-    p.add_argument("--max-batch", type=int, default=32, help="sequences stepped together in one forward")
-    p.add_argument("--kv-capacity-bytes", type=int, default=512 << 20, help="KV pool size in bytes")
-    p.add_argument("--engine", default="auto", choices=["auto", "paged", "dense"],
-                   help="paged: block pool + batched steps (Llama-family); dense: per-sequence caches; auto: paged "
-                        "where it applies")
-    p.add_argument("--spec-method", default="none", choices=["none", "ngram", "draft"])
-    p.add_argument("--spec-max-k", type=int, default=8, help="most draft tokens verified per step")
-    p.add_argument("--spec-k-policy", default="adaptive", choices=["adaptive", "fixed"],
-                   help="adaptive: the latency model and acceptance choose k each step (0 when it would not "
-                        "pay); fixed: always the max (for tests and measurements)")
-    p.add_argument("--draft-model", default=None)
-    p.add_argument("--kv-compression", default=os.environ.get("PDSERVE_KV_COMPRESSION", "none"),
-                   choices=["none", "int8", "fp8"],
-                   help="KV compression this worker takes on the wire besides none; prefill offering another "
-                        "is answered with none (uncompressed)")
-    p.add_argument("--cpu-weight-layouts", action=argparse.BooleanOptionalAction, default=True,
-                   help="on the CPU, keep two more copies of the weights that make steps of 2-12 rows (speculative "
-                        "verification, small batches) 15-40%% cheaper; --no-cpu-weight-layouts saves that memory "
-                        "(2x the model's projection weights)")
-
-
 def main(argv: list[str]) -> int:
-    import os
-
-    # In a pod: listen on all interfaces, advertise the pod's IP (downward API) to prefill.
-    if os.environ.get("POD_IP"):
-        if "--advertise-host" not in argv:
-            argv = [*argv, "--advertise-host", os.environ["POD_IP"]]
-        if "--data-host" not in argv:
-            argv = [*argv, "--data-host", "0.0.0.0"]
-    return run_worker(DecodeWorker, argv, _args)
+    return run_worker(DecodeWorker, argv)

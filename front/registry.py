@@ -4,7 +4,8 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects, announced, prefix_hashes
+from pdserve.basetypes import announced, prefix_hashes
+from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects
 
 
 class WorkerRegistry:

@@ -12,11 +12,9 @@ worker dies or goes silent past a bound. It never answers 200 with a truncated r
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import os
 import secrets
 import time
 import uuid
@@ -29,13 +27,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
+from pdserve.basetypes import SamplingParams
+from pdserve.config import FrontConfig, load
 from pdserve.front.openai_schema import ChatCompletionRequest, CompletionRequest
 from pdserve.kvtransfer.protocol import (
     Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects,
 )
 from pdserve.natsserver import NatsCredentials
-from pdserve.sampling import SamplingParams
-from pdserve.workerbase import deployment_scope
 
 log = logging.getLogger("pdserve.front")
 
@@ -57,7 +55,7 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 class Front:
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: FrontConfig):
         from pdserve.front.registry import WorkerRegistry
         from pdserve.modelstore import resolve_model
 
@@ -67,15 +65,15 @@ class Front:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         self.max_context = int(cfg.get("max_position_embeddings", 2048))
-        self.creds = NatsCredentials.from_env(args.nats_url)
-        self.api_key = os.environ.get("PDSERVE_API_KEY") or None
-        self.scope = deployment_scope()
+        self.creds = NatsCredentials.from_config(args.nats)
+        self.api_key = args.api_key.get_secret_value() if args.api_key else None
+        self.scope = args.deployment_scope
         self.registry = WorkerRegistry(self.scope)
         self.nc: nats.NATS | None = None
         self.inflight: PyCounter[str] = PyCounter()  # decode worker id -> requests this front sent it
         self.inflight_bytes: PyCounter[str] = PyCounter()  # decode worker id -> their KV bytes (estimated)
         self.prefill_inflight: PyCounter[str] = PyCounter()  # prefill worker id -> tokens sent, not yet computed
-        self.kv_bytes_per_token = self._kv_bytes_per_token(cfg)
+        self.kv_bytes_per_token = self._kv_bytes_per_token(cfg, args.kv_dtype)
         self._hint_tasks: set[asyncio.Task] = set()
         self.created = int(time.time())
         r = self.metrics = CollectorRegistry()
@@ -87,7 +85,8 @@ class Front:
         self.m_e2e = Histogram("pdserve_request_duration_seconds", "request latency", registry=r,
                                buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
         self.m_queue = Gauge("pdserve_queue_depth", "requests in flight at this front", registry=r)
-        self.m_kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes moved prefill -> decode", registry=r)
+        self.m_kv_bytes = Counter("pdserve_kv_transfer_moved_bytes_total",
+                                  "KV bytes moved prefill -> decode, as the handoffs report them", registry=r)
         self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV transfer time", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
         self.m_prompt_tokens = Counter("pdserve_prompt_tokens_total", "prompt tokens", registry=r)
@@ -96,11 +95,12 @@ class Front:
                                registry=r)
 
     @staticmethod
-    def _kv_bytes_per_token(cfg: dict) -> int:
-        """KV bytes one token takes on a decode worker (for routing estimates; the workers' dtype from the env)."""
+    def _kv_bytes_per_token(cfg: dict, kv_dtype: str) -> int:
+        """KV bytes one token takes on a decode worker (for routing estimates; `auto` counts as float32,
+        what decode resolves it to on the CPU)."""
         heads = int(cfg.get("num_attention_heads", 1))
         head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 64)) // heads)
-        itemsize = 2 if os.environ.get("PDSERVE_KV_DTYPE", "float32") in ("bfloat16", "float16") else 4
+        itemsize = 2 if kv_dtype in ("bfloat16", "float16") else 4
         return int(cfg.get("num_hidden_layers", 1)) * 2 * int(cfg.get("num_key_value_heads", heads)) * head_dim * itemsize
 
     def chat_prompt_ids(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
@@ -495,23 +495,7 @@ class Generation:
 def main(argv: list[str]) -> int:
     from pdserve.workerbase import setup_logging
 
-    p = argparse.ArgumentParser(prog="pdserve front")
-    p.add_argument("--model", default="default")
-    p.add_argument("--served-model-name", default=os.environ.get("PDSERVE_MODEL_NAME"))
-    p.add_argument("--nats-url", default=None)
-    # In a pod (POD_IP from the downward API) listen on all interfaces; locally, loopback only.
-    p.add_argument("--host", default="0.0.0.0" if os.environ.get("POD_IP") else "127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dispatch-timeout", type=float, default=5.0, help="seconds for a prefill worker to accept")
-    p.add_argument("--first-token-timeout", type=float, default=300.0, help="seconds of silence allowed before the first token")
-    p.add_argument("--token-timeout", type=float, default=60.0, help="seconds of silence allowed between tokens")
-    p.add_argument("--kv-failure-policy", default=os.environ.get("PDSERVE_KV_FAILURE_POLICY", "recompute"),
-                   choices=["recompute", "fail"], help="when a request's KV is lost in transit: recompute it on decode, or fail")
-    p.add_argument("--preposition", action=argparse.BooleanOptionalAction,
-                   default=os.environ.get("PDSERVE_PREPOSITION", "1") not in ("0", "false", "no"),
-                   help="after each request, hint its prefill worker to pre-compute the next turn's KV when idle")
-    p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
-    args = p.parse_args(argv)
+    args = load(FrontConfig, argv, prog="pdserve front", description="the OpenAI-compatible HTTP front")
     setup_logging(args.log_level)
     front = Front(args)
     log.info("front serving %s on http://%s:%d (NATS %s)", front.model_name, args.host, args.port, front.creds.url)

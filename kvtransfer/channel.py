@@ -6,7 +6,7 @@ Transports (one interface, picked per handoff from the sender's preference list 
 |----------|----------------------------------------|-----------------------------------------------|
 | shm      | both workers share a host (`host_id`)  | a /dev/shm segment named by the token; control|
 |          |                                        | frames over the direct socket                 |
-| tcp      | default across hosts                   | the direct framed stream (`kvtransfer.tcp`)   |
+| tcp      | default across hosts                   | the direct framed stream (`kvtransfer.tcp_*`) |
 | nats     | fallback that always works             | chunked, acked messages on `kv.{token}.data`  |
 | objstore | offload tier (KV that must outlive one | one object in the JetStream object store, TTL |
 |          | of the workers)                        |                                               |
@@ -26,15 +26,16 @@ from typing import AsyncIterator, Iterable
 
 import torch
 
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout
+from pdserve.basetypes import COMPRESSIONS, TRANSPORTS, KVLayout
+from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.protocol import HandoffOffer, HandoffReply, Subjects, TransferFailed
-from pdserve.kvtransfer.tcp import (
-    COMPRESSIONS, KVReceiver, TransferError, TransferHeader, _aiter, host_id, send_kv, send_kv_stream,
-)
+from pdserve.kvtransfer.frames import TransferError, TransferHeader
+from pdserve.kvtransfer.shm import host_id
+from pdserve.kvtransfer.tcp_send import aiter_layers, send_kv, send_kv_stream
+from pdserve.kvtransfer.tcp_server import KVReceiver
 
 log = logging.getLogger("pdserve.kvtransfer.channel")
 
-TRANSPORTS = ("shm", "tcp", "nats", "objstore")
 DEFAULT_PREFERENCE = ("shm", "tcp", "nats")
 
 
@@ -160,7 +161,7 @@ class KVSendChannel:
         if reply.transport in ("tcp", "shm"):  # every layer at hand: one pipeline, no per-layer hand-offs
             return await self._guard(header, send_kv(reply.data_addr, self._fit(reply, header), kv,
                                                      timeout=self.timeout, connect_timeout=self.connect_timeout))
-        return await self.send_stream(reply, header, _aiter(kv.layers))
+        return await self.send_stream(reply, header, aiter_layers(kv.layers))
 
     async def send_stream(self, reply: HandoffReply, header: TransferHeader,
                           layers: AsyncIterator[tuple[int, torch.Tensor]]) -> dict:

@@ -1,7 +1,7 @@
 """What KV compression on the wire costs: bytes saved, and accuracy of the model that continues from it.
 
 The quantiser is `kernels.kv_quant` (int8 / fp8, one float32 scale per (token, K/V, head), see
-`kvtransfer.tcp.to_token_groups`), followed on the wire by a lossless deflate of the quantised bytes;
+`kvtransfer.frames.to_token_groups`), followed on the wire by a lossless deflate of the quantised bytes;
 this module only runs KV through exactly the path a transfer takes (`layer_wire_pieces` on the sender,
 `Assembly` on the receiver) and measures bytes on the wire, greedy agreement and perplexity against
 uncompressed KV.
@@ -12,8 +12,10 @@ import math
 
 import torch
 
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout
-from pdserve.kvtransfer.tcp import Assembly, TransferHeader, layer_wire_pieces
+from pdserve.basetypes import KVLayout
+from pdserve.kvtransfer.layout import KVBlocks
+from pdserve.kvtransfer.frames import TransferHeader, layer_wire_pieces
+from pdserve.kvtransfer.receiver import Assembly
 
 
 def wire_bytes(layout: KVLayout, num_tokens: int, compression: str) -> int:
@@ -27,7 +29,7 @@ def wire_bytes(layout: KVLayout, num_tokens: int, compression: str) -> int:
     from pdserve.kernels.kv_quant import payload_bytes
 
     nb = layout.num_blocks(num_tokens)
-    # one quantisation group per (token, K/V, head): see kvtransfer.tcp.to_token_groups
+    # one quantisation group per (token, K/V, head): see kvtransfer.frames.to_token_groups
     return layout.num_layers * payload_bytes(nb * layout.block_size, layout.kv_heads, 1, layout.head_dim)
 
 

@@ -1,6 +1,6 @@
 """KV over NATS: chunked messages (the fallback that always works) and the JetStream object store (offload tier).
 
-Both use the frames of `kvtransfer.tcp` — one frame per NATS message on the transfer's own subject
+Both use the frames of `kvtransfer.frames` — one frame per NATS message on the transfer's own subject
 `pdserve.v1.kv.{token}.data` (chunks stay below the server's max_payload). Every message is a request:
 the receiver answers each with `{"ok": true}` or the error that stopped it, and the sender keeps at most
 `window` chunks unanswered (flow control). The last answer (to END) is the ACK with the receiver's stats.
@@ -23,22 +23,22 @@ from typing import AsyncIterator
 import torch
 
 from pdserve.kvtransfer.protocol import Subjects
-from pdserve.kvtransfer.tcp import (
-    END, HELLO, MAX_CHUNK, Assembly, KVReceiver, TransferError, TransferHeader, _HDR, _crc, _frame, _parse_header,
-    layer_wire_pieces,
+from pdserve.basetypes import LayoutMismatch
+from pdserve.kvtransfer.frames import (
+    END, HELLO, MAX_CHUNK, OBJECT, TransferError, TransferHeader, crc32, frame, layer_wire_pieces, split_frames,
 )
-from pdserve.kvtransfer.layout import KVBlocks, LayoutMismatch
+from pdserve.kvtransfer.layout import KVBlocks
+from pdserve.kvtransfer.receiver import Assembly, Receiver
 
 log = logging.getLogger("pdserve.kvtransfer.nats")
 
-OBJECT = 7  # frame kind: JSON {"bucket", "name"} of an object holding the transfer's frames
 NATS_CHUNK_BYTES = 4 << 20  # below the 8 MB max_payload with room for headers
 DEFAULT_BUCKET = "pdserve-kv-transfer"
 DEFAULT_OBJECT_TTL_S = 300.0
 
 
 def _msg(kind: int, payload, layer: int = 0, offset: int = 0) -> bytes:
-    hdr, body = _frame(kind, payload, layer, offset)
+    hdr, body = frame(kind, payload, layer, offset)
     return hdr + bytes(body)
 
 
@@ -58,8 +58,8 @@ async def ensure_bucket(js, bucket: str = DEFAULT_BUCKET, ttl_s: float = DEFAULT
 
 # How long a sender keeps asking when NATS says nobody listens on the transfer's subject yet. The receiver
 # subscribes (and flushes) before it replies, but in a NATS cluster interest reaches the other servers
-# asynchronously, and even on one server a request that follows at once was seen to find no responders now
-# and then (tests/test_kvtransfer_channel.py). A receiver that is really gone fails the transfer after this.
+# asynchronously, and even on one server a request that follows at once can find no responders now and
+# then. A receiver that is really gone fails the transfer after this.
 NO_RESPONDERS_RETRY_S = 2.0
 
 
@@ -146,9 +146,9 @@ async def send_kv_objstore(nc, header: TransferHeader, kv: KVBlocks, *, bucket: 
     parts = []
     for i, layer in enumerate(kv.layers):
         for kind, li, off, payload in layer_wire_pieces(i, layer, header.compression, MAX_CHUNK):
-            hdr, body = _frame(kind, payload, li, off)
+            hdr, body = frame(kind, payload, li, off)
             parts += [hdr, body]
-    parts += _frame(END, json.dumps({"chunks": len(kv.layers), "bytes": header.total_bytes}).encode())
+    parts += frame(END, json.dumps({"chunks": len(kv.layers), "bytes": header.total_bytes}).encode())
     name = f"kv-{header.transfer_token}"
     await asyncio.wait_for(store.put(name, b"".join(parts)), timeout)
     del parts
@@ -171,21 +171,6 @@ async def send_kv_objstore(nc, header: TransferHeader, kv: KVBlocks, *, bucket: 
 # --- receiver -----------------------------------------------------------------------------
 
 
-def _split(data: bytes | memoryview, max_len: int):
-    """Frames in a byte string: yields (kind, layer, crc, offset, payload memoryview)."""
-    mv = memoryview(data)
-    pos = 0
-    while pos < len(mv):
-        if len(mv) - pos < _HDR.size:
-            raise TransferError("stream truncated: partial frame header")
-        kind, layer, crc, offset, length = _parse_header(mv[pos:pos + _HDR.size], max_len)
-        pos += _HDR.size
-        if len(mv) - pos < length:
-            raise TransferError(f"stream truncated: got {len(mv) - pos} of {length} bytes")
-        yield kind, layer, crc, offset, mv[pos:pos + length]
-        pos += length
-
-
 class NatsTransferServer:
     """Receives one agreed transfer over NATS (chunked messages or an object-store reference).
 
@@ -194,9 +179,9 @@ class NatsTransferServer:
     failure, stall or cancel alike).
     """
 
-    def __init__(self, nc, receiver: KVReceiver, token: str, stall_timeout: float):
+    def __init__(self, nc, receiver: Receiver, token: str, stall_timeout: float):
         self.nc, self.rx, self.token, self.stall_timeout = nc, receiver, token, stall_timeout
-        self.exp = receiver._expected[token]
+        self.exp = receiver.expected(token)
         self.asm: Assembly | None = None
         self.last = time.monotonic()
         self.sub = None
@@ -259,8 +244,8 @@ class NatsTransferServer:
                 pass
 
     async def _handle(self, data: bytes) -> dict:
-        for kind, layer, crc, offset, payload in _split(data, MAX_CHUNK):
-            if _crc(payload) != crc:
+        for kind, layer, crc, offset, payload in split_frames(data, MAX_CHUNK):
+            if crc32(payload) != crc:
                 raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
             if kind == HELLO:
                 header = TransferHeader.model_validate_json(bytes(payload))
@@ -300,8 +285,8 @@ class NatsTransferServer:
                 await store.delete(ref["name"])  # fetched or not, nobody else needs it
             except Exception:
                 pass
-        for kind, layer, crc, offset, payload in _split(res.data, MAX_CHUNK):
-            if _crc(payload) != crc:
+        for kind, layer, crc, offset, payload in split_frames(res.data, MAX_CHUNK):
+            if crc32(payload) != crc:
                 raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
             if kind == END:
                 return

@@ -6,10 +6,10 @@ instead of recomputing. Objects live in a memory-storage bucket with a TTL, so n
 its usefulness even when the worker that stored it is gone.
 
 Addressing (as vLLM's prefix cache and LMCache do, and as the workers' own prefix caches do —
-`protocol.prefix_hashes`): block i of a prompt (tokens `[i*bs, (i+1)*bs)`) is named by
+`basetypes.prefix_hashes`): block i of a prompt (tokens `[i*bs, (i+1)*bs)`) is named by
 `h_i = sha256(h_{i-1} || tokens of block i)`, so equal prefixes
 share names and one block can serve every prompt that starts the same way. Only full blocks are
-stored. One object per block holds that block for every layer, as `kvtransfer.tcp` frames: a
+stored. One object per block holds that block for every layer, as `kvtransfer.frames` frames: a
 HELLO-kind JSON frame (layout, block index, hash) then one CHUNK per layer, each with its crc32.
 The layout is checked on fetch (a block stored by another model or shape is refused with the
 fields that differ) and every chunk's checksum is checked (a corrupt object is an error, never KV).
@@ -22,10 +22,10 @@ import logging
 
 import torch
 
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout
-from pdserve.kvtransfer.protocol import prefix_hashes
-from pdserve.kvtransfer.natsdata import _split, ensure_bucket
-from pdserve.kvtransfer.tcp import CHUNK, HELLO, MAX_CHUNK, TransferError, _crc, _frame, tensor_bytes
+from pdserve.basetypes import KVLayout, prefix_hashes
+from pdserve.kvtransfer.layout import KVBlocks
+from pdserve.kvtransfer.frames import CHUNK, HELLO, MAX_CHUNK, TransferError, crc32, frame, split_frames, tensor_bytes
+from pdserve.kvtransfer.natsdata import ensure_bucket
 
 log = logging.getLogger("pdserve.kvtransfer.offload")
 
@@ -39,7 +39,7 @@ class PrefixCorrupt(TransferError):
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[str]:
     """Object names of the full blocks of `token_ids`: element i names the prefix of (i+1) blocks, by the
-    hash chain the prefix caches and the router use (`protocol.prefix_hashes`)."""
+    hash chain the prefix caches and the router use (`basetypes.prefix_hashes`)."""
     return [h.hex()[:40] for h in prefix_hashes(token_ids, block_size)]
 
 
@@ -80,9 +80,9 @@ class KVPrefixStore:
             except Exception:
                 pass
             meta = json.dumps({"layout": self.layout.model_dump(), "block": i, "hash": h}).encode()
-            parts = _frame(HELLO, meta)
+            parts = frame(HELLO, meta)
             for li, layer in enumerate(kv.layers):
-                parts += _frame(CHUNK, tensor_bytes(layer[i]), li)
+                parts += frame(CHUNK, tensor_bytes(layer[i]), li)
             await asyncio.wait_for(store.put(name, b"".join(bytes(p) for p in parts)), self.timeout)
             stored += 1
         return stored
@@ -116,13 +116,13 @@ class KVPrefixStore:
         shape = (2, lay.kv_heads, lay.block_size, lay.head_dim)
         out: list[torch.Tensor] = []
         try:
-            frames = list(_split(data, MAX_CHUNK))
+            frames = list(split_frames(data, MAX_CHUNK))
         except TransferError as e:
             raise PrefixCorrupt(f"prefix block {index} ({h}) is damaged: {e}") from None
         if not frames or frames[0][0] != HELLO:
             raise PrefixCorrupt(f"prefix block {index} ({h}) is not a KV block")
         for kind, layer, crc, _, payload in frames:
-            if _crc(payload) != crc:
+            if crc32(payload) != crc:
                 raise PrefixCorrupt(f"prefix block {index} ({h}), layer {layer}: checksum mismatch")
             if kind == HELLO:
                 meta = json.loads(bytes(payload))

@@ -2,8 +2,8 @@
 
 NATS carries control, never bulk KV bytes: requests to prefill, handoff offers and replies,
 token streams, cancellations, failure records, and worker load reports (which double as
-heartbeats and as the registry). KV bytes travel a direct data path (see `kvtransfer.tcp`)
-whose frames are described in `kvtransfer.frames`.
+heartbeats and as the registry). KV bytes travel a direct data path (see `kvtransfer.tcp_send`
+and `kvtransfer.tcp_server`) whose frames are described in `kvtransfer.frames`.
 
 Versioning: every subject starts with `pdserve.v1`; every message carries `v` (the protocol
 version). A receiver refuses a message of a version it does not speak with an explicit error.
@@ -35,12 +35,12 @@ tier). See `kvtransfer.channel`.
 """
 from __future__ import annotations
 
-import array
-import hashlib
 import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.basetypes import KVLayout, SamplingParams
 
 PROTOCOL_VERSION = 1
 PREFIX = f"pdserve.v{PROTOCOL_VERSION}"
@@ -111,40 +111,6 @@ class Subjects:
     KV_FAILED_ALL = f"{PREFIX}.kv.failed.*"
 
 
-# --- prefix addresses ------------------------------------------------------------------------
-# A full KV block is addressed by a hash chain over token ids, h_i = sha256(h_{i-1} || tokens of
-# block i as int64), so a block matches only if everything before it matches too. Workers cache
-# blocks under these addresses and announce them (truncated to ANNOUNCED_HASH_BYTES) in their
-# LoadReports; the router computes the same chain for a prompt to find who holds its longest prefix.
-
-ROOT_HASH = b""
-ANNOUNCED_HASH_BYTES = 8
-
-
-def block_hash(parent: bytes, tokens) -> bytes:
-    """The hash-chain address of a full block: sha256(parent hash || token ids as little-endian int64)."""
-    a = array.array("q", tokens)
-    if array.array("q", [1]).tobytes()[0] != 1:  # big-endian host: hash the same bytes as everyone else
-        a.byteswap()
-    h = hashlib.sha256(parent)
-    h.update(a.tobytes())
-    return h.digest()
-
-
-def prefix_hashes(token_ids, block_size: int) -> list[bytes]:
-    """The hash chain of every full block of `token_ids`."""
-    out, h = [], ROOT_HASH
-    for i in range(len(token_ids) // block_size):
-        h = block_hash(h, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(h)
-    return out
-
-
-def announced(h: bytes) -> str:
-    """How a block address appears in a LoadReport."""
-    return h[:ANNOUNCED_HASH_BYTES].hex()
-
-
 class Message(BaseModel):
     """Base of every control message: versioned, strict about unknown fields."""
 
@@ -179,7 +145,7 @@ class LoadReport(Message):
     model_fingerprint: str = ""
     generation: int = 0  # incarnation of this worker id; a handoff from an older one is refused
     time_unix_s: float = Field(default_factory=time.time)
-    # Kubernetes identity, from the downward API (PDSERVE_ISVC / PDSERVE_POOL / POD_NAME / POD_NAMESPACE).
+    # Kubernetes identity: the worker's --isvc / --pool settings, POD_NAME / POD_NAMESPACE from the downward API.
     isvc: str | None = None
     pool: str | None = None
     pod: str | None = None
@@ -201,7 +167,7 @@ class LoadReport(Message):
     spec_acceptance_rate: float = 0.0
     stale_after_s: float = 3.0
     # Prefill: prompt tokens accepted but not yet computed (the router's load signal), and the
-    # prefix cache's contents — `announced()` addresses of cached full blocks of `block_size`
+    # prefix cache's contents — `basetypes.announced()` addresses of cached full blocks of `block_size`
     # tokens, most recently used first, at most a few thousand.
     queue_tokens: int = 0
     block_size: int = 0
@@ -215,9 +181,6 @@ class LoadReport(Message):
 
 
 # --- the request path -------------------------------------------------------------------------
-
-from pdserve.kvtransfer.layout import KVLayout  # noqa: E402
-from pdserve.sampling import SamplingParams  # noqa: E402
 
 FailurePolicy = Literal["recompute", "fail"]
 
@@ -273,7 +236,7 @@ class HandoffOffer(Message):
     spec: dict | None = None
     # KV transport negotiation (all optional: an offer without them means direct TCP, uncompressed).
     transports: list[str] = Field(default_factory=lambda: ["tcp"])  # sender's preference order
-    host_id: str | None = None  # equal on both sides ⇒ they share memory (see kvtransfer.tcp.host_id)
+    host_id: str | None = None  # equal on both sides ⇒ they share memory (see kvtransfer.shm.host_id)
     compression: Literal["none", "int8", "fp8"] = "none"  # what the sender would like on the wire
     # Layer streaming: the offer is made before the prompt's last forward, so the KV can flow layer by
     # layer while it is computed; the first token is not known yet (generated_token_ids is empty) and

@@ -1,8 +1,8 @@
 """The receiver's pool of shared-memory segments for co-located KV handoffs: mapped once, reused.
 
 A fresh tmpfs segment per transfer costs a page fault (and a zeroed page) per 4 KiB on the sender's
-copy, and freeing it again when the KV dies: measured here, that made shared memory a third of
-memcpy. So the receiver (decode) keeps a pool of segments that stay mapped and populated: for a
+copy, and freeing it again when the KV dies, which costs more than the copy itself. So the receiver
+(decode) keeps a pool of segments that stay mapped and populated: for a
 transfer it leases one at least as big as the KV and names it to the sender (a GRANT frame); the
 sender maps that range (MAP_POPULATE: the pages exist already, only the page tables are filled; the
 mapping is kept for the segment's next grant, see `SenderMaps`) and copies each layer in; the
@@ -15,6 +15,9 @@ so a segment whose owner died is recognisable — nobody holds its lock — and 
 receiver that starts on the host (`sweep_orphans`) or by a sender whose transfer into it failed
 (`reap_if_orphaned`). A failed transfer's segment is never reused (the sender may still be writing
 into it): it is unlinked at once. Idle segments beyond `max_idle_bytes` are unlinked, oldest first.
+
+Also here: where segments live (`SHM_DIR`), the sweep of stale ones, and `host_id`, by which two
+workers learn that they share memory.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import logging
 import mmap
 import os
 import secrets
+import socket
 import threading
 import time
 import weakref
@@ -31,11 +35,17 @@ import weakref
 import numpy as np
 import torch
 
+from pdserve.config import KVReceiveConfig, KVSendConfig
+from pdserve.kvtransfer.frames import TransferError
+
 log = logging.getLogger("pdserve.kvtransfer.shm")
+
+SHM_DIR = "/dev/shm"  # Linux's POSIX shared memory, where pods mount their bounded emptyDir
+SHM_PREFIX = "pdkv-"  # per-transfer segments, named by their transfer token (`shm_path`)
 
 POOL_PREFIX = "pdkv-pool-"  # under the transfer segments' prefix "pdkv-", so one listing finds both
 MIN_SEGMENT = 1 << 20
-DEFAULT_MAX_IDLE_BYTES = int(os.environ.get("PDSERVE_SHM_POOL_BYTES", 2 << 30))
+DEFAULT_MAX_IDLE_BYTES = KVReceiveConfig().shm_pool_bytes  # decode sets its own (--shm-pool-bytes)
 
 
 def _size_class(nbytes: int) -> int:
@@ -198,7 +208,7 @@ def check_name(name: str) -> str:
     return name
 
 
-class _Mapping:
+class SegmentMapping:
     """The first `nbytes` of a granted segment as the sender maps them, and their base address for `memmove`.
 
     Warm segments are pre-faulted (MAP_POPULATE: their pages exist, so this only fills page tables, far
@@ -252,25 +262,24 @@ class SenderMaps:
     """The sending side's mappings of segments decode granted, kept for the next grant of the same segment.
 
     Decode's pool hands the same few segments out again and again. Mapping one costs a page-table fill
-    (MAP_POPULATE) and unmapping it a TLB shootdown: ~2.5 ms for 16 MiB here, as long as copying the KV
-    in. A kept mapping costs nothing per transfer. A mapping pins the segment's pages even after its
+    (MAP_POPULATE) and unmapping it a TLB shootdown, together about as long as copying the KV in. A kept
+    mapping costs nothing per transfer. A mapping pins the segment's pages even after its
     owner unlinks it, so: a mapping is checked against the file (same inode) before each use; at every
-    `acquire` the mappings of files that are gone are dropped; at most `max_bytes` (default
-    $PDSERVE_SHM_SENDER_MAP_BYTES or 2 GiB) stay mapped, least recently used dropped first; a transfer
+    `acquire` the mappings of files that are gone are dropped; at most `max_bytes` (prefill's
+    --shm-sender-map-bytes) stay mapped, least recently used dropped first; a transfer
     that fails drops its mapping (`release(ok=False)`).
     """
 
     def __init__(self, max_bytes: int | None = None):
-        self.max_bytes = int(os.environ.get("PDSERVE_SHM_SENDER_MAP_BYTES", 2 << 30)) if max_bytes is None \
-            else max_bytes
+        self.max_bytes = KVSendConfig().shm_sender_map_bytes if max_bytes is None else max_bytes
         self._lock = threading.Lock()
-        self._maps: dict[str, _Mapping] = {}  # by the segment's path
+        self._maps: dict[str, SegmentMapping] = {}  # by the segment's path
         self.mapped = 0  # new mappings made (a kept one reused is not counted)
 
-    def acquire(self, directory: str, name: str, nbytes: int, warm: bool) -> _Mapping:
+    def acquire(self, directory: str, name: str, nbytes: int, warm: bool) -> SegmentMapping:
         """The mapping of granted segment `name` (kept or new), for one transfer's exclusive use."""
         key = os.path.join(directory, check_name(name))
-        stale: list[_Mapping] = []
+        stale: list[SegmentMapping] = []
         with self._lock:
             for k, m in list(self._maps.items()):  # files gone (or replaced): let their pages go
                 if not m.busy and not m.same_file():
@@ -286,16 +295,16 @@ class SenderMaps:
         for old in stale:
             old.close()
         if m is None:
-            m = _Mapping(directory, name, nbytes, warm)
+            m = SegmentMapping(directory, name, nbytes, warm)
             m.busy = True
             with self._lock:
                 self.mapped += 1
                 self._maps[key] = m
         return m
 
-    def release(self, m: _Mapping, ok: bool) -> None:
+    def release(self, m: SegmentMapping, ok: bool) -> None:
         """The transfer is over: keep the mapping (ok) or drop it; then trim to `max_bytes`."""
-        drop: list[_Mapping] = []
+        drop: list[SegmentMapping] = []
         with self._lock:
             m.busy = False
             m.used = time.monotonic()
@@ -373,3 +382,54 @@ def sweep_orphans(directory: str) -> int:
     except OSError:
         return 0
     return sum(reap_if_orphaned(directory, n) for n in names)
+
+
+# --- per-transfer segments and host identity --------------------------------------------------
+
+
+def shm_path(token: str) -> str:
+    """The segment of a transfer is named by its one-time token, so either side can remove it."""
+    safe = "".join(c for c in token if c.isalnum() or c in "-_")
+    if safe != token or not token:
+        raise TransferError("malformed transfer token")
+    return os.path.join(SHM_DIR, SHM_PREFIX + token)
+
+
+def sweep_stale_segments(max_age_s: float = 600.0) -> int:
+    """Remove per-transfer segments older than `max_age_s` (both sides of a transfer died), and pool
+    segments whose owner died (`sweep_orphans`). Returns the count."""
+    n = sweep_orphans(SHM_DIR)
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return n
+    now = time.time()
+    for name in names:
+        if name.startswith(SHM_PREFIX) and not name.startswith(POOL_PREFIX):
+            p = os.path.join(SHM_DIR, name)
+            try:
+                if now - os.stat(p).st_mtime > max_age_s and _unlink(p):
+                    n += 1
+            except OSError:
+                pass
+    return n
+
+
+_HOST_ID: str | None = None
+
+
+def host_id() -> str:
+    """Who shares memory with whom: boot id + the shm directory's identity (pods on one node that mount
+    the same /dev/shm volume agree; a pod with a private /dev/shm does not)."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        try:
+            boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        except OSError:
+            boot = socket.gethostname()
+        try:
+            st = os.stat(SHM_DIR)
+            _HOST_ID = f"{boot}:{st.st_dev}:{st.st_ino}"
+        except OSError:
+            _HOST_ID = f"{boot}:noshm:{os.getpid()}"
+    return _HOST_ID

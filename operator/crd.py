@@ -14,14 +14,16 @@ import copy
 import sys
 from typing import Any
 
+from pdserve import basetypes, config
+
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
 KIND = "InferenceService"
 PLURAL = "inferenceservices"
 SHORT_NAMES = ["pdis"]  # KServe uses `isvc`; ours must not collide when both are installed.
 
-KV_DTYPES = ["float16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2"]
-COMPRESSIONS = ["none", "int8", "fp8"]
+KV_DTYPES = list(config.DTYPES)  # what the workers run with; `auto` resolves per device
+COMPRESSIONS = list(basetypes.COMPRESSIONS)
 DEFAULT_PREFILL_METRIC = "pdserve_prefill_queue_depth"
 DEFAULT_DECODE_METRIC = "pdserve_decode_kv_utilization"
 
@@ -44,6 +46,12 @@ def _obj(props: dict, required: list[str] | None = None, **kw) -> dict:
     return d
 
 
+# An InferenceService's name becomes its children's names and label values; the strictest is the
+# front Service (named after it: a DNS-1035 label) and the decode Service (<name>-decode, at most
+# 63 characters). validation.name_errors finds the same rule by rendering the children; a test
+# holds the two equal.
+NAME_SCHEMA = {"type": "string", "maxLength": 56, "pattern": "^[a-z]([-a-z0-9]*[a-z0-9])?$"}
+
 _QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
 _FREE_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 _SECRET_KEY_REF = _obj({"name": _s(minLength=1), "key": _s(minLength=1)}, ["name", "key"])
@@ -52,11 +60,13 @@ _SECRET_KEY_REF = _obj({"name": _s(minLength=1), "key": _s(minLength=1)}, ["name
 def _pool(default_metric: str, default_target: str, data_port: int) -> dict:
     return _obj({
         "replicas": _i(0, default=1, description="Replicas when autoscaling is disabled."),
-        "gpus": _i(0, default=1, description="nvidia.com/gpu per pod (set in limits)."),
+        "gpus": _i(0, default=1, description="nvidia.com/gpu per pod (set in limits); a pool with GPUs runs on "
+                                             "CUDA, one without on the CPU."),
         "resources": _obj({
             "requests": {"type": "object", "additionalProperties": _QUANTITY},
             "limits": {"type": "object", "additionalProperties": _QUANTITY},
-        }, description="CPU/memory (and other) requests and limits; nvidia.com/gpu comes from `gpus`."),
+        }, description="CPU/memory (and other) requests and limits. GPUs come from `gpus` (nvidia.com/gpu here is "
+                       "refused); the CPU limit (else request), rounded down, is the workers' torch threads."),
         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
         "tolerations": {"type": "array", "items": _obj({
             "key": _s(), "operator": _s(enum=["Exists", "Equal"]), "value": _s(),
@@ -72,7 +82,9 @@ def _pool(default_metric: str, default_target: str, data_port: int) -> dict:
                      "priorityClassName, volumes); containers are merged by name."},
         }, description="Pod template overrides."),
         "kv": _obj({
-            "dtype": _s(enum=KV_DTYPES, default="bfloat16", description="KV cache element type."),
+            "dtype": _s(enum=KV_DTYPES, default="bfloat16",
+                        description="Model and KV cache element type; auto: bfloat16 on GPUs that have it, "
+                                    "float32 on the CPU. Both pools must hold the same."),
             "blockSize": _i(1, maximum=1024, default=16, description="Tokens per KV block."),
             "compressions": {"type": "array", "items": _s(enum=COMPRESSIONS),
                              "default": list(COMPRESSIONS),
@@ -205,7 +217,9 @@ def crd() -> dict:
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ],
                 "schema": {"openAPIV3Schema": _obj({
-                    "apiVersion": _s(), "kind": _s(), "metadata": {"type": "object"},
+                    "apiVersion": _s(), "kind": _s(),
+                    # The name becomes Service names and label values: refused here when they could not be.
+                    "metadata": _obj({"name": NAME_SCHEMA}),
                     "spec": SPEC_SCHEMA, "status": STATUS_SCHEMA,
                 }, ["spec"])},
             }],

@@ -1,17 +1,25 @@
 """kopf handlers: thin wrappers that apply what `reconcile.py` computes and keep status current.
 
-- create/update/resume -> apply the desired children (resume repairs drift after a restart; a
-  child Deployment deleted by hand is recreated at once). No timers or deletion handlers: both
-  would need a finalizer, and an InferenceService must stay deletable with the operator gone;
+- startup -> apply this version's InferenceService CRD (Helm never upgrades a chart's `crds/`, so
+  an upgraded operator brings its own schema), discover the served API versions;
+- create/update/resume -> apply the desired children with server-side apply (resume repairs
+  drift after a restart; a child Deployment deleted by hand is recreated at once). No timers or
+  deletion handlers: both would need a finalizer, and an InferenceService must stay deletable
+  with the operator gone;
 - Deployment events of our children -> InferenceService status, and prefill HPA bounds when a
   prefill:decode ratio is set;
-- validating admission webhook -> `validation.validate_spec` (same function the reconciler uses);
+- validating admission webhook -> `validation.validate` (same function the reconciler uses);
 - delete -> nothing to do: every child has an owner reference, the garbage collector removes them.
 
-Configuration comes from the environment (set by the chart, or by `pdserve operator` flags):
-PDSERVE_IMAGE, PDSERVE_NATS_URL, PDSERVE_NATS_SECRET (name; in PDSERVE_NATS_SECRET_NAMESPACE or the
-operator's POD_NAMESPACE), PDSERVE_WEBHOOK_CERT / PDSERVE_WEBHOOK_KEY / PDSERVE_WEBHOOK_PORT /
-PDSERVE_WEBHOOK_ADDR (serve the validating webhook over TLS when a certificate is given).
+A child the API server refuses is never retried in silence: the InferenceService turns Degraded
+with the server's reason and message, and a Warning event says the same. A refusal that only a
+spec change can mend (the server found the object invalid) waits for that change; any other
+(forbidden, a foreign object in the way) is tried again after `REFUSED_RETRY_S`.
+
+Status has one writer, `publish_status`, called under the InferenceService's lock (kopf runs the
+handlers on a thread pool): a Deployment event cannot read the status before a reconcile in
+flight has published it, and then publish an older picture over it. Settings come from the
+environment (`pdserve.config.OperatorSettings`: set by the chart, or by `pdserve operator` flags).
 """
 from __future__ import annotations
 
@@ -19,20 +27,27 @@ import asyncio
 import base64
 import copy
 import datetime
+import collections
+import json
 import logging
 import os
+import threading
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
 from kubernetes import client, config as kconfig
 
-from .crd import GROUP, PLURAL, VERSION, apply_defaults
+from pdserve.config import OperatorSettings, from_environ
+
+from .crd import GROUP, KIND, PLURAL, VERSION, apply_defaults, crd
 from .kube import Kube
 from .reconcile import POOLS, OperatorConfig, autoscaled, compute_status, desired_children, prefill_bounds_for_ratio
-from .validation import validate_spec
+from .validation import validate
 
 ISVC_API = f"{GROUP}/{VERSION}"
 MANAGED = {"app.kubernetes.io/managed-by": "pdserve-operator"}
+REFUSED_RETRY_S = 60.0
 
 
 def _now() -> str:
@@ -55,6 +70,21 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
+def apply_crd(kube: Kube, logger: logging.Logger) -> None:
+    """Bring the server's InferenceService CRD to this version's schema (server-side apply, ours
+    winning over whoever installed it, e.g. Helm's `crds/`)."""
+    try:
+        kube.apply(crd(), force=True)
+    except client.ApiException as e:
+        if e.status != 403:
+            raise
+        # The chart grants this; a cluster whose admin manages the CRD may withhold it.
+        logger.warning(f"not allowed to apply the InferenceService CRD ({_server_message(e)}); the CRD on the "
+                       "server stays as it is")
+        return
+    logger.info(f"InferenceService CRD {crd()['metadata']['name']} applied")
+
+
 @kopf.on.startup()
 def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     # Kubernetes events only for warnings and errors; successes stay in the log.
@@ -63,24 +93,22 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Lo
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
     settings.persistence.progress_storage = kopf.SmartProgressStorage(prefix=GROUP)
+    opts = from_environ(OperatorSettings)
     kube = Kube(_api_client())
     memo.kube = kube
+    memo.locks = collections.defaultdict(threading.RLock)  # (namespace, name) -> that InferenceService's lock
+    if opts.manage_crd:
+        apply_crd(kube, logger)
     hpa = "autoscaling/v2" if "v2" in kube.served_versions("autoscaling") else "autoscaling/v2beta2"
     pdb = "policy/v1" if "v1" in kube.served_versions("policy") else "policy/v1beta1"
-    memo.base_config = OperatorConfig(
-        image=os.environ.get("PDSERVE_IMAGE") or OperatorConfig.image,
-        nats_url=os.environ.get("PDSERVE_NATS_URL") or OperatorConfig.nats_url,
-        hpa_api_version=hpa, pdb_api_version=pdb)
-    secret = os.environ.get("PDSERVE_NATS_SECRET")
-    memo.nats_secret = (os.environ.get("PDSERVE_NATS_SECRET_NAMESPACE") or os.environ.get("POD_NAMESPACE")
-                        or "default", secret) if secret else None
-    logger.info(f"pdserve operator: HPA {hpa}, PDB {pdb}, NATS {memo.base_config.nats_url}")
-    cert, key = os.environ.get("PDSERVE_WEBHOOK_CERT"), os.environ.get("PDSERVE_WEBHOOK_KEY")
-    if cert and key:
-        settings.admission.server = kopf.WebhookServer(
-            addr=os.environ.get("PDSERVE_WEBHOOK_ADDR", "0.0.0.0"),
-            port=int(os.environ.get("PDSERVE_WEBHOOK_PORT", "9443")),
-            certfile=cert, pkeyfile=key)
+    memo.base_config = OperatorConfig(image=opts.image, nats_url=opts.nats_url, hpa_api_version=hpa,
+                                      pdb_api_version=pdb)
+    memo.nats_secret = ((opts.nats_secret_namespace or opts.own_namespace or "default", opts.nats_secret)
+                        if opts.nats_secret else None)
+    logger.info(f"pdserve operator: HPA {hpa}, PDB {pdb}, NATS {opts.nats_url}")
+    if opts.webhook_cert and opts.webhook_key:
+        settings.admission.server = kopf.WebhookServer(addr=opts.webhook_addr, port=opts.webhook_port,
+                                                       certfile=opts.webhook_cert, pkeyfile=opts.webhook_key)
     else:
         # kopf refuses to start with admission handlers but no server; with the webhook disabled
         # (chart webhook.enabled=false), serve nothing and rely on the reconciler's validation.
@@ -110,88 +138,127 @@ def _owned_by(obj: dict, uid: str) -> bool:
     return any(o.get("uid") == uid for o in obj["metadata"].get("ownerReferences") or [])
 
 
-def _apply(kube: Kube, desired: dict, keep_replicas: bool) -> None:
-    """Create the child, or replace it with the desired state keeping what others own
-    (replicas under an HPA, a Service's cluster IP, foreign labels/annotations)."""
+def _server_message(e: client.ApiException) -> str:
+    try:
+        return json.loads(e.body).get("message") or str(e.reason)
+    except (TypeError, ValueError):
+        return str(e.reason)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A child the API server (or an object in its way) would not let us apply."""
+
+    kind: str
+    name: str
+    reason: str  # the server's reason ("Invalid", "Forbidden"), or "NotOwned"
+    message: str
+    retry: bool  # False when only a spec change can mend it
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}: {self.message}"
+
+
+def _apply(kube: Kube, desired: dict, keep_replicas: bool) -> Refusal | None:
+    """Server-side apply one child, ours winning over other managers (a hand edit), but only over
+    an object this InferenceService owns: one of the same name that it does not own is reported,
+    never touched (apply would merge our fields into it). keep_replicas: an HPA owns the
+    Deployment's replica count, so apply the one it set."""
     m = desired["metadata"]
-    live = kube.get(desired["apiVersion"], desired["kind"], m["namespace"], m["name"])
-    if live is None:
+    try:
+        live = kube.get(desired["apiVersion"], desired["kind"], m["namespace"], m["name"])
+        if live is not None and not _owned_by(live, m["ownerReferences"][0]["uid"]):
+            return Refusal(desired["kind"], m["name"], "NotOwned",
+                           f"{desired['kind']} {m['namespace']}/{m['name']} already exists and is not owned by "
+                           "this InferenceService; delete or rename it", retry=True)
+        if live is not None and keep_replicas and "replicas" in live.get("spec", {}):
+            desired["spec"]["replicas"] = live["spec"]["replicas"]
+        kube.apply(desired, force=True)
+    except client.ApiException as e:
+        if e.status in (400, 422):
+            reason = "Invalid"
+        elif e.status in (403, 404, 409):
+            reason = "Forbidden" if e.status == 403 else "NotFound" if e.status == 404 else "Conflict"
+        else:
+            raise  # the server or the network failing: kopf retries soon
         try:
-            kube.create(desired)
-            return
-        except client.ApiException as e:
-            if e.status != 409:
-                raise
-            live = kube.get(desired["apiVersion"], desired["kind"], m["namespace"], m["name"])
-    uid = m["ownerReferences"][0]["uid"]
-    if not _owned_by(live, uid):
-        raise kopf.PermanentError(f"{desired['kind']} {m['namespace']}/{m['name']} already exists and is not "
-                                  f"owned by this InferenceService; delete or rename it")
-    new = copy.deepcopy(desired)
-    lm = live["metadata"]
-    new["metadata"]["resourceVersion"] = lm["resourceVersion"]
-    new["metadata"]["labels"] = {**(lm.get("labels") or {}), **m["labels"]}
-    if lm.get("annotations"):
-        new["metadata"]["annotations"] = {**lm["annotations"], **(m.get("annotations") or {})}
-    if desired["kind"] == "Deployment" and keep_replicas and "replicas" in live.get("spec", {}):
-        new["spec"]["replicas"] = live["spec"]["replicas"]
-    if desired["kind"] == "Service":
-        for f in ("clusterIP", "clusterIPs", "healthCheckNodePort"):
-            if f in live["spec"]:
-                new["spec"][f] = live["spec"][f]
-        live_ports = {p.get("name"): p for p in live["spec"].get("ports", [])}
-        for p in new["spec"]["ports"]:
-            if "nodePort" in live_ports.get(p["name"], {}) and new["spec"]["type"] != "ClusterIP":
-                p["nodePort"] = live_ports[p["name"]]["nodePort"]
-    kube.replace(new)
+            reason = json.loads(e.body).get("reason") or reason
+        except (TypeError, ValueError):
+            pass
+        return Refusal(desired["kind"], m["name"], reason, _server_message(e), retry=e.status not in (400, 422))
+    return None
 
 
 def _deployments(kube: Kube, namespace: str, name: str) -> dict[str, dict | None]:
     return {pool: kube.get("apps/v1", "Deployment", namespace, f"{name}-{pool}") for pool in (*POOLS, "front")}
 
 
-def reconcile(body: dict, memo: kopf.Memo, logger: logging.Logger) -> dict:
-    """Bring the children in line with the spec; return the new status."""
+def publish_status(kube: Kube, isvc: dict, status: dict) -> None:
+    """The one writer of InferenceService status (server-side apply of the status subresource)."""
+    m = isvc["metadata"]
+    kube.apply({"apiVersion": ISVC_API, "kind": KIND, "metadata": {"name": m["name"], "namespace": m["namespace"]},
+                "status": status}, force=True, sub="status")
+
+
+def reconcile(body: dict, memo: kopf.Memo, logger: logging.Logger) -> None:
+    """Bring the children in line with the spec and publish the status. Raises kopf.TemporaryError
+    when a refused child should be tried again."""
+    with memo.locks[body["metadata"]["namespace"], body["metadata"]["name"]]:
+        _reconcile(body, memo, logger)
+
+
+def _reconcile(body: dict, memo: kopf.Memo, logger: logging.Logger) -> None:
     kube: Kube = memo.kube
-    body = dict(body)
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    errors = validate_spec(body["spec"])
+    errors = validate(body)
     if errors:
         # The webhook should have refused this; it was bypassed (or the object predates it).
         kopf.warn(body, reason="InvalidSpec", message="; ".join(errors))
-        return compute_status(body, _deployments(kube, ns, name), errors, _now(), memo.base_config)
+        publish_status(kube, body, compute_status(body, _deployments(kube, ns, name), errors, _now(),
+                                                  memo.base_config))
+        return
     cfg = _config(memo)
-    decode = kube.get("apps/v1", "Deployment", ns, f"{name}-decode")
+    decode = kube.get("apps/v1", "Deployment", ns, f"{name}-decode") if autoscaled(body["spec"], "decode") else None
     observed = {"decode": decode["spec"]["replicas"]} if decode else {}
     children = desired_children(body, cfg, observed)
+    refused: list[Refusal] = []
     for child in children:
         pool = child["metadata"]["labels"].get("app.kubernetes.io/component")
-        _apply(kube, child, keep_replicas=autoscaled(body["spec"], pool) if pool else False)
+        keep = child["kind"] == "Deployment" and bool(pool) and autoscaled(body["spec"], pool)
+        refusal = _apply(kube, child, keep_replicas=keep)
+        if refusal:
+            refused.append(refusal)
     # Children that the spec no longer asks for (an HPA whose pool stopped autoscaling, the NATS copy).
     wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
     possible = [("HorizontalPodAutoscaler", cfg.hpa_api_version, f"{name}-{p}") for p in POOLS]
     possible.append(("Secret", "v1", f"{name}-nats"))
     for kind, api, child_name in possible:
         if (kind, child_name) not in wanted:
-            live = kube.get(api, kind, ns, child_name)
-            if live and _owned_by(live, body["metadata"]["uid"]):
+            obj = kube.get(api, kind, ns, child_name)
+            if obj and _owned_by(obj, body["metadata"]["uid"]):
                 kube.request("DELETE", f"/{'api' if api == 'v1' else 'apis'}/{api}/namespaces/{ns}/"
                              f"{'horizontalpodautoscalers' if kind != 'Secret' else 'secrets'}/{child_name}")
                 logger.info(f"deleted {kind} {child_name}: no longer in the spec")
-    return compute_status(body, _deployments(kube, ns, name), [], _now(), cfg)
+    status = compute_status(body, _deployments(kube, ns, name), [], _now(), cfg,
+                            refused=[(r.reason, str(r)) for r in refused])
+    publish_status(kube, body, status)
+    if refused:
+        message = "; ".join(str(r) for r in refused)
+        kopf.warn(body, reason=refused[0].reason, message=message)
+        if any(r.retry for r in refused):
+            raise kopf.TemporaryError(f"children refused: {message}", delay=REFUSED_RETRY_S)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL, backoff=10)
 @kopf.on.create(GROUP, VERSION, PLURAL, backoff=10)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", backoff=10)
-def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    status = reconcile(_plain(body), memo, logger)
-    patch.status.update(status)
+def on_change(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    reconcile(_plain(body), memo, logger)
 
 
 def _plain(body: Any) -> dict:
-    return {"metadata": dict(body["metadata"]), "spec": copy.deepcopy(dict(body["spec"])),
-            "status": copy.deepcopy(dict(body.get("status") or {}))}
+    return {"apiVersion": ISVC_API, "kind": KIND, "metadata": dict(body["metadata"]),
+            "spec": copy.deepcopy(dict(body["spec"])), "status": copy.deepcopy(dict(body.get("status") or {}))}
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
@@ -203,17 +270,20 @@ def child_deployment_changed(body: kopf.Body, event: dict, memo: kopf.Memo, logg
     if not name or not hasattr(memo, "kube"):
         return
     kube: Kube = memo.kube
-    isvc = kube.get(ISVC_API, "InferenceService", ns, name)
-    if not isvc or isvc["metadata"].get("deletionTimestamp"):
-        return
-    if event.get("type") == "DELETED" and _owned_by(body, isvc["metadata"]["uid"]):
-        logger.info(f"Deployment {body['metadata']['name']} deleted; recreating it")
-        status = reconcile(isvc, memo, logger)
-        kube.merge_patch(ISVC_API, "InferenceService", ns, name, {"status": status}, sub="status")
-        return
-    errors = validate_spec(isvc["spec"])
-    status = compute_status(isvc, _deployments(kube, ns, name), errors, _now(), memo.base_config)
-    kube.merge_patch(ISVC_API, "InferenceService", ns, name, {"status": status}, sub="status")
+    with memo.locks[ns, name]:
+        isvc = kube.get(ISVC_API, "InferenceService", ns, name)
+        if not isvc or isvc["metadata"].get("deletionTimestamp"):
+            return
+        if event.get("type") == "DELETED" and _owned_by(body, isvc["metadata"]["uid"]):
+            logger.info(f"Deployment {body['metadata']['name']} deleted; recreating it")
+            try:
+                reconcile(isvc, memo, logger)
+            except kopf.TemporaryError:
+                pass  # reported in status and events; the InferenceService's own handler retries
+            return
+        errors = validate(isvc)
+        publish_status(kube, isvc, compute_status(isvc, _deployments(kube, ns, name), errors, _now(),
+                                                  memo.base_config, refused=_standing_refusals(isvc)))
     if errors or labels.get("app.kubernetes.io/component") != "decode":
         return
     spec = apply_defaults(isvc["spec"])
@@ -227,8 +297,18 @@ def child_deployment_changed(body: kopf.Body, event: dict, memo: kopf.Memo, logg
             logger.info(f"prefill HPA bounds -> [{lo}, {hi}] for decode={body['spec']['replicas']}")
 
 
+def _standing_refusals(isvc: dict) -> list[tuple[str, str]]:
+    """The refusals the last reconcile reported for this generation: a pool's change does not
+    clear them, only the next apply does."""
+    for c in (isvc.get("status") or {}).get("conditions") or []:
+        if (c.get("type") == "Degraded" and c.get("status") == "True" and c.get("reason") not in
+                ("InvalidSpec", "PoolFailure") and c.get("observedGeneration") == isvc["metadata"].get("generation")):
+            return [(c["reason"], c.get("message", ""))]
+    return []
+
+
 @kopf.on.validate(GROUP, VERSION, PLURAL, id="validate-inferenceservice", operations=["CREATE", "UPDATE"])
-def validate(spec: kopf.Spec, **_: Any) -> None:
-    errors = validate_spec(copy.deepcopy(dict(spec)))
+def validate_admission(body: kopf.Body, **_: Any) -> None:
+    errors = validate({"metadata": dict(body["metadata"]), "spec": copy.deepcopy(dict(body.get("spec") or {}))})
     if errors:
         raise kopf.AdmissionError("invalid InferenceService: " + "; ".join(errors), code=422)

@@ -1,8 +1,10 @@
 """A small JSON client over `kubernetes.client.ApiClient` for the few kinds the operator writes.
 
 Why not the typed APIs: their PATCH picks `application/json-patch+json` for dict bodies, and the
-operator works on plain dicts produced by `reconcile.py` anyway. Every call is synchronous; kopf
-runs sync handlers in its thread pool.
+operator works on plain dicts produced by `reconcile.py` anyway. Writes are server-side apply under
+one field manager: the API server merges our fields with everyone else's (an HPA's replicas, a
+Service's cluster IP, foreign labels). Every call is synchronous; kopf runs sync handlers in its
+thread pool.
 """
 from __future__ import annotations
 
@@ -15,13 +17,16 @@ PLURALS = {
     "Deployment": "deployments", "Service": "services", "Secret": "secrets",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers", "PodDisruptionBudget": "poddisruptionbudgets",
     "InferenceService": "inferenceservices", "Event": "events", "Pod": "pods",
-    "ServiceAccount": "serviceaccounts",
+    "ServiceAccount": "serviceaccounts", "CustomResourceDefinition": "customresourcedefinitions",
 }
+FIELD_MANAGER = "pdserve-operator"
 
 
-def path_for(api_version: str, kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+def path_for(api_version: str, kind: str, namespace: str | None, name: str | None = None,
+             sub: str | None = None) -> str:
+    """The REST path of an object (namespace None: a cluster-scoped kind)."""
     base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    p = f"{base}/namespaces/{namespace}/{PLURALS[kind]}"
+    p = f"{base}/namespaces/{namespace}/{PLURALS[kind]}" if namespace else f"{base}/{PLURALS[kind]}"
     if name:
         p += f"/{name}"
     if sub:
@@ -51,7 +56,7 @@ class Kube:
             data = resp.data
         return json.loads(data) if data else None
 
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict | None:
         try:
             return self.request("GET", path_for(api_version, kind, namespace, name))
         except client.ApiException as e:
@@ -63,9 +68,16 @@ class Kube:
         m = obj["metadata"]
         return self.request("POST", path_for(obj["apiVersion"], obj["kind"], m["namespace"]), obj)
 
-    def replace(self, obj: dict) -> dict:
+    def apply(self, obj: dict, force: bool = False, sub: str | None = None) -> dict:
+        """Server-side apply of `obj` (or of its `sub`resource, e.g. "status") as FIELD_MANAGER.
+
+        Without `force` the server refuses (409) to change a field another manager set to
+        another value; with it, ours win."""
         m = obj["metadata"]
-        return self.request("PUT", path_for(obj["apiVersion"], obj["kind"], m["namespace"], m["name"]), obj)
+        query = f"?fieldManager={FIELD_MANAGER}" + ("&force=true" if force else "")
+        # JSON is YAML: the body goes as text, which the client sends as it is.
+        return self.request("PATCH", path_for(obj["apiVersion"], obj["kind"], m.get("namespace"), m["name"], sub)
+                            + query, json.dumps(obj), content_type="application/apply-patch+yaml")
 
     def merge_patch(self, api_version: str, kind: str, namespace: str, name: str, body: dict,
                     sub: str | None = None) -> dict:

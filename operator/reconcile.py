@@ -3,7 +3,8 @@
 Nothing here talks to the API server; `handlers.py` applies what these functions return.
 Children of an InferenceService `<n>` (all with an owner reference to it and app.kubernetes.io/* labels):
 
-  Deployment <n>-prefill, <n>-decode   GPU worker pools (`pdserve prefill|decode ...`)
+  Deployment <n>-prefill, <n>-decode   worker pools (`pdserve prefill|decode ...`, their arguments
+                                       rendered from pdserve.config's models, which the workers parse)
   Deployment <n>-front                 OpenAI-compatible HTTP front (`pdserve front ...`)
   Service    <n>                       the endpoint (front), port spec.serving.port
   Service    <n>-decode                headless: stable DNS for decode pods' data/metrics ports
@@ -17,31 +18,33 @@ from __future__ import annotations
 import base64
 import copy
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.autoscale.policy import prefill_range
+from pdserve.config import COMMANDS, OperatorSettings, Settings, options, to_args
+
 from .crd import GROUP, KIND, VERSION, apply_defaults
 
-DEFAULT_IMAGE = "ghcr.io/pdserve/pdserve:0.1.0"
 MODELS_DIR = "/models"
 METRICS_PORT = 9100
 FRONT_CONTAINER_PORT = 8000
 POOLS = ("prefill", "decode")
-# A stopping pod (rolling update, scale-down) first finishes what it holds: the workers' drain
-# (PDSERVE_DRAIN_TIMEOUT_SECONDS) must end before the kubelet's SIGKILL, and the front keeps
+# A stopping pod (rolling update, scale-down) first finishes what it holds: its drain (the
+# process's `drain_timeout` setting) ends before the kubelet's SIGKILL, and the front keeps
 # accepting until kube-proxy has taken it out of its Service (no Service routes to the workers:
 # their `bye` on NATS stops the routers at once).
-DRAIN_TIMEOUT_S = 25
 FRONT_PRE_STOP_S = 5
-TERMINATION_GRACE_S = FRONT_PRE_STOP_S + DRAIN_TIMEOUT_S + 10
+GRACE_MARGIN_S = 10
 
 
 @dataclass(frozen=True)
 class OperatorConfig:
     """What the operator knows beyond the object: chart defaults and what the server offers."""
 
-    image: str = DEFAULT_IMAGE
-    nats_url: str = "nats://pdserve-nats:4222"
+    image: str = OperatorSettings.model_fields["image"].default
+    nats_url: str = OperatorSettings.model_fields["nats_url"].default
     # The chart's NATS credentials ({"user": ..., "password": ...}, plain text), copied into
     # the InferenceService's namespace; None when NATS runs without the chart's secret.
     nats_credentials: dict[str, str] | None = None
@@ -106,69 +109,82 @@ def binary_bytes(quantity: str) -> int:
     raise ValueError(f"not a binary quantity: {quantity!r}")
 
 
-def _env(body: dict, spec: dict, config: OperatorConfig, pool: str) -> list[dict]:
-    field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
-    env = [
-        {"name": "POD_NAME", **field("metadata.name")},
-        {"name": "POD_NAMESPACE", **field("metadata.namespace")},
-        {"name": "POD_IP", **field("status.podIP")},
-        {"name": "PDSERVE_ISVC", "value": body["metadata"]["name"]},
-        {"name": "PDSERVE_POOL", "value": pool},
-        {"name": "PDSERVE_MODEL_NAME", "value": served_model_name(body, spec)},
-        {"name": "HOME", "value": "/tmp"},
-        {"name": "PDSERVE_DRAIN_TIMEOUT_SECONDS", "value": str(DRAIN_TIMEOUT_S)},
-    ]
-    if pool in POOLS:
-        kv, t = spec[pool]["kv"], spec["kvTransfer"]
-        env += [
-            {"name": "PDSERVE_KV_DTYPE", "value": kv["dtype"]},
-            {"name": "PDSERVE_KV_BLOCK_SIZE", "value": str(kv["blockSize"])},
-            {"name": "PDSERVE_KV_TRANSPORT", "value": t["transport"]},
-            {"name": "PDSERVE_KV_COMPRESSION", "value": t["compression"]},
-            {"name": "PDSERVE_KV_TIMEOUT_SECONDS", "value": str(t["timeoutSeconds"])},
-            {"name": "PDSERVE_KV_FAILURE_POLICY", "value": t["failurePolicy"]},
-            # idle KV segments kept in /dev/shm: half its bound, the rest for segments in use
-            {"name": "PDSERVE_SHM_POOL_BYTES", "value": str(binary_bytes(t["shmSizeLimit"]) // 2)},
-        ]
-    pc = spec.get("prefixCache") or {}
+def cpu_cores(quantity: int | float | str) -> float:
+    """A CPU quantity ("2", "1500m", 0.5, "1e3m") in cores."""
+    q = str(quantity).strip()
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([-+]?[0-9]+))?(m|k|M|G)?", q)
+    if not m:
+        raise ValueError(f"{quantity!r} is not a CPU quantity (write e.g. 2, 0.5 or 1500m)")
+    scale = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9}[m.group(3)]
+    return float(m.group(1)) * 10 ** int(m.group(2) or 0) * scale
+
+
+def _compute(pool_spec: dict) -> dict:
+    """Device and torch threads of a worker pool: CUDA when the pool has GPUs; threads from the
+    CPU the pod may use (its limit, else its request), rounded down, at least 1."""
+    res = pool_spec.get("resources") or {}
+    cpu = (res.get("limits") or {}).get("cpu", (res.get("requests") or {}).get("cpu"))
+    out: dict[str, Any] = {"device": "cuda" if pool_spec["gpus"] else "cpu"}
+    if cpu is not None:
+        out["threads"] = max(1, math.floor(cpu_cores(cpu) + 1e-9))
+    return out
+
+
+def settings(body: dict, spec: dict, config: OperatorConfig, pool: str) -> Settings:
+    """What one pool's processes run with, as the `pdserve.config` model its command parses.
+
+    spec: the defaulted InferenceService spec. pool: "prefill", "decode" or "front". Raises
+    pydantic's ValidationError when the spec asks for a value the pool's settings refuse."""
+    t, pc = spec["kvTransfer"], spec.get("prefixCache") or {}
+    values: dict[str, Any] = dict(
+        model=f"{MODELS_DIR}/{spec['model']['path'].lstrip('/')}", served_model_name=served_model_name(body, spec),
+        isvc=body["metadata"]["name"], pool=pool, nats={"url": spec.get("nats", {}).get("url") or config.nats_url})
     if pool == "front":
-        env.append({"name": "PDSERVE_PREPOSITION", "value": "1" if pc.get("prepositioning", True) else "0"})
+        values.update(host="0.0.0.0", port=spec["serving"]["port"], kv_failure_policy=t["failurePolicy"],
+                      preposition=pc.get("prepositioning", True), kv_dtype=spec["decode"]["kv"]["dtype"])
+    else:
+        p = spec[pool]
+        values.update(dtype=p["kv"]["dtype"], block_size=p["kv"]["blockSize"], data_port=p["dataPort"],
+                      metrics_port=METRICS_PORT, **_compute(p))
     if pool == "prefill":
-        env += [
-            {"name": "PDSERVE_PREPOSITION_BLOCKS",
-             "value": str(pc.get("prepositionBudgetBlocks", 256) if pc.get("prepositioning", True) else 0)},
-            {"name": "PDSERVE_PREFIX_OFFLOAD", "value": "1" if pc.get("offload") else "0"},
-            {"name": "PDSERVE_PREFIX_OFFLOAD_TTL", "value": str(pc.get("offloadTTLSeconds", 3600))},
-        ]
+        values.update(
+            preposition_budget_blocks=pc.get("prepositionBudgetBlocks", 256) if pc.get("prepositioning", True) else 0,
+            prefix_offload=bool(pc.get("offload")), prefix_offload_ttl=pc.get("offloadTTLSeconds", 3600),
+            kv={"transports": t["transport"], "compression": t["compression"], "timeout": t["timeoutSeconds"]})
+    if pool == "decode":
+        s = spec["speculation"]
+        draft = s.get("draft") if s["method"] == "draft" else None
+        values.update(
+            data_host="0.0.0.0",
+            spec={"method": s["method"], "max_k": s["maxK"],
+                  **({"draft_model": f"{MODELS_DIR}/{draft['path'].lstrip('/')}"} if draft else {})},
+            # idle KV segments kept in /dev/shm: half its bound, the rest for segments in use
+            kv={"compression": t["compression"], "timeout": t["timeoutSeconds"],
+                "shm_pool_bytes": binary_bytes(t["shmSizeLimit"]) // 2})
+    return COMMANDS[pool].model_validate(values)
+
+
+# What the downward API hands a pod, by the setting that reads it.
+_DOWNWARD = {"pod_name": "metadata.name", "namespace": "metadata.namespace", "advertise_host": "status.podIP"}
+
+
+def _env(body: dict, spec: dict, config: OperatorConfig, cfg: Settings) -> list[dict]:
+    """The container's environment: the downward API and secrets, which never go in arguments."""
+    kind = type(cfg)
+    names = {o.path: o.env for o in options(kind)}
+    env = [{"name": names[path], "valueFrom": {"fieldRef": {"fieldPath": field}}}
+           for path, field in _DOWNWARD.items() if path in names]
+    env.append({"name": "HOME", "value": "/tmp"})
     nats = _nats_secret(body, spec, config)
     if nats:
         secret, ukey, pkey = nats
-        env += [
-            {"name": "PDSERVE_NATS_USER", "valueFrom": {"secretKeyRef": {"name": secret, "key": ukey}}},
-            {"name": "PDSERVE_NATS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": secret, "key": pkey}}},
-        ]
+        env += [{"name": names["nats.user"], "valueFrom": {"secretKeyRef": {"name": secret, "key": ukey}}},
+                {"name": names["nats.password"], "valueFrom": {"secretKeyRef": {"name": secret, "key": pkey}}}]
     api_key = spec["serving"].get("apiKeySecret")
-    if api_key and pool == "front":
-        env.append({"name": "PDSERVE_API_KEY",
+    if api_key and "api_key" in names:
+        env.append({"name": names["api_key"],
                     "valueFrom": {"secretKeyRef": {"name": api_key["name"], "key": api_key["key"]}}})
     return env
-
-
-def _command(spec: dict, config: OperatorConfig, pool: str) -> list[str]:
-    model = f"{MODELS_DIR}/{spec['model']['path'].lstrip('/')}"
-    nats_url = spec.get("nats", {}).get("url") or config.nats_url
-    if pool == "front":
-        return ["pdserve", "front", "--model", model, "--nats-url", nats_url,
-                "--port", str(spec["serving"]["port"])]
-    cmd = ["pdserve", pool, "--model", model, "--nats-url", nats_url,
-           "--data-port", str(spec[pool]["dataPort"]), "--metrics-port", str(METRICS_PORT)]
-    if pool == "decode":
-        s = spec["speculation"]
-        cmd += ["--spec-method", s["method"], "--spec-max-k", str(s["maxK"]),
-                "--kv-compression", spec["kvTransfer"]["compression"]]
-        if s["method"] == "draft" and s.get("draft"):
-            cmd += ["--draft-model", f"{MODELS_DIR}/{s['draft']['path'].lstrip('/')}"]
-    return cmd
 
 
 def _resources(pool_spec: dict, gpus: int) -> dict:
@@ -202,25 +218,28 @@ def _merge(base: Any, override: Any) -> Any:
     return copy.deepcopy(override)
 
 
+# Ports name their protocol: server-side apply keys port lists by (port, protocol), and servers
+# before 1.22 refuse an applied port without one.
 def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> dict:
     name = body["metadata"]["name"]
     image = spec.get("image") or config.image
     pool_spec = spec[pool] if pool in POOLS else spec["front"]
     if pool in POOLS:
-        ports = [{"name": "data", "containerPort": spec[pool]["dataPort"]},
-                 {"name": "metrics", "containerPort": METRICS_PORT}]
+        ports = [{"name": "data", "containerPort": spec[pool]["dataPort"], "protocol": "TCP"},
+                 {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
         # /metrics answers once the model is loaded and NATS is connected (prefill dials out and has
         # no listening data port, so a TCP probe on it would never pass)
         probe = {"httpGet": {"path": "/metrics", "port": "metrics"}, "periodSeconds": 5}
         gpus = pool_spec["gpus"]
     else:
-        ports = [{"name": "http", "containerPort": spec["serving"]["port"]}]
+        ports = [{"name": "http", "containerPort": spec["serving"]["port"], "protocol": "TCP"}]
         probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
         gpus = 0
+    cfg = settings(body, spec, config, pool)
     container = {
         "name": pool, "image": image, "imagePullPolicy": spec["imagePullPolicy"],
-        "command": _command(spec, config, pool),
-        "env": _env(body, spec, config, pool),
+        "command": ["pdserve", pool], "args": to_args(cfg),
+        "env": _env(body, spec, config, cfg),
         "ports": ports,
         "readinessProbe": probe,
         "resources": _resources(pool_spec, gpus),
@@ -253,7 +272,8 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+        "terminationGracePeriodSeconds": (FRONT_PRE_STOP_S if pool == "front" else 0)
+        + math.ceil(cfg.drain_timeout) + GRACE_MARGIN_S,
     }
     if init:
         pod_spec["initContainers"] = init
@@ -268,6 +288,10 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
     override = pool_spec.get("podTemplate") or {}
     if override.get("spec"):
         pod_spec = _merge(pod_spec, override["spec"])
+        for c in pod_spec.get("containers", []) + pod_spec.get("initContainers", []):
+            for port in c.get("ports") or []:
+                if isinstance(port, dict):
+                    port.setdefault("protocol", "TCP")  # the server's default, which apply needs stated
     om = override.get("metadata") or {}
     meta["labels"] = {**om.get("labels", {}), **meta["labels"]}  # ours win: selectors depend on them
     meta["annotations"] = {**meta["annotations"], **om.get("annotations", {})}
@@ -302,9 +326,9 @@ def prefill_bounds_for_ratio(spec: dict, decode_replicas: int) -> tuple[int, int
     a = spec["prefill"]["autoscaling"]
     lo, hi = a["minReplicas"], a["maxReplicas"]
     ratio = spec.get("autoscaling", {}).get("prefillDecodeRatio") or {}
-    d = max(decode_replicas, 1)
-    new_lo = lo if "min" not in ratio else min(max(lo, math.ceil(ratio["min"] * d - 1e-9)), hi)
-    new_hi = hi if "max" not in ratio else max(min(hi, math.floor(ratio["max"] * d + 1e-9)), new_lo)
+    fewest, most = prefill_range(max(decode_replicas, 1), ratio.get("min"), ratio.get("max"))
+    new_lo = lo if fewest is None else min(max(lo, fewest), hi)
+    new_hi = hi if most is None else max(min(hi, most), new_lo)
     return new_lo, new_hi
 
 
@@ -347,8 +371,8 @@ def _services(body: dict, spec: dict) -> list[dict]:
         "apiVersion": "v1", "kind": "Service", "metadata": _meta(body, f"{name}-decode", "decode"),
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": False,
                  "selector": selector_labels(name, "decode"),
-                 "ports": [{"name": "data", "port": spec["decode"]["dataPort"], "targetPort": "data"},
-                           {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]},
+                 "ports": [{"name": "data", "port": spec["decode"]["dataPort"], "targetPort": "data", "protocol": "TCP"},
+                           {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}]},
     }
     return [front, decode]
 
@@ -403,9 +427,10 @@ def _condition(old: list[dict], type_: str, status: bool, reason: str, message: 
 
 
 def compute_status(body: dict, deployments: dict[str, dict | None], errors: list[str], now: str,
-                   config: OperatorConfig | None = None) -> dict:
-    """The InferenceService status from its Deployments (as read from the server) and the
-    cross-field validation errors. now: RFC 3339 time used for changed conditions."""
+                   config: OperatorConfig | None = None, refused: list[tuple[str, str]] = ()) -> dict:
+    """The InferenceService status from its Deployments (as read from the server), the validation
+    errors, and the children the server refused ((its reason, message) each). now: RFC 3339 time
+    used for changed conditions."""
     config = config or OperatorConfig()
     spec = apply_defaults(body["spec"])
     generation = body["metadata"].get("generation")
@@ -435,6 +460,10 @@ def compute_status(body: dict, deployments: dict[str, dict | None], errors: list
     if errors:
         ready_c = _condition(old, "Ready", False, "InvalidSpec", "; ".join(errors), now, generation)
         degraded = _condition(old, "Degraded", True, "InvalidSpec", "; ".join(errors), now, generation)
+    elif refused:
+        message = "; ".join(m for _, m in refused)
+        ready_c = _condition(old, "Ready", False, "ChildRefused", message, now, generation)
+        degraded = _condition(old, "Degraded", True, refused[0][0], message, now, generation)
     else:
         ready_c = _condition(old, "Ready", not not_ready, "PoolsReady" if not not_ready else "PoolsNotReady",
                              "all pools ready" if not not_ready else "; ".join(not_ready), now, generation)

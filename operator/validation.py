@@ -1,15 +1,96 @@
-"""Cross-field rules of an InferenceService spec that a CRD schema cannot express on v1.20 (no CEL).
+"""Rules of an InferenceService that a CRD schema cannot express on v1.20 (no CEL).
 
-One pure function, `validate_spec`, used by the validating admission webhook (refuses the object
-at apply time) and by the reconciler (reports it in status and events when the webhook was
+`validate` (the name and the spec) is used by the validating admission webhook (refuses the
+object at apply time) and by the reconciler (reports it in status and events when the webhook was
 bypassed, e.g. objects created before the webhook existed). Messages name the fields and say
 what to change.
+
+Names: every child's name and label values are rendered from the InferenceService's name, so a
+name is checked by rendering the children a probe with that name would get and holding each
+against the rule its kind has on the API server (`name_errors`); `crd.NAME_SCHEMA` states the
+same rule for the API server.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from pydantic import ValidationError
+
+from pdserve.config import COMMANDS, option
+
 from .crd import apply_defaults
+from .reconcile import OperatorConfig, cpu_cores, desired_children, settings
+
+DNS1035_LABEL = "[a-z]([-a-z0-9]*[a-z0-9])?"
+DNS1123_LABEL = "[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+DNS1123_SUBDOMAIN = rf"{DNS1123_LABEL}(\.{DNS1123_LABEL})*"
+LABEL_VALUE = "(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?"
+# What the API server demands of each kind's name: (pattern, most characters, what to call it).
+_NAME_RULES = {"Service": (DNS1035_LABEL, 63, "a DNS-1035 label: lower-case letters, digits and '-', starting "
+                                              "with a letter and ending with a letter or digit")}
+_DEFAULT_RULE = (DNS1123_SUBDOMAIN, 253, "a DNS-1123 subdomain: lower-case letters, digits, '-' and '.', "
+                                         "starting and ending with a letter or digit")
+_LABEL_RULE = (LABEL_VALUE, 63, "a label value: letters, digits, '-', '_' and '.', starting and ending with a "
+                                "letter or digit")
+
+
+def _probe_children(name: str) -> list[dict]:
+    """The children an InferenceService called `name` gets with every optional child present."""
+    body = {"metadata": {"name": name, "namespace": "default", "uid": "probe"},
+            "spec": {"model": {"path": "m", "pvc": "p"}}}
+    return desired_children(body, OperatorConfig(nats_credentials={"user": "", "password": ""}))
+
+
+def _named(children: list[dict], name: str):
+    """(what, rendered value, rule) for every child name and label value that holds `name`."""
+    for c in children:
+        kind, meta = c["kind"], c["metadata"]
+        yield f"{kind} name", meta["name"], _NAME_RULES.get(kind, _DEFAULT_RULE)
+        labels = dict(meta.get("labels") or {})
+        labels.update(((c.get("spec") or {}).get("template") or {}).get("metadata", {}).get("labels") or {})
+        for key, value in labels.items():
+            if name in value:
+                yield f"{kind} label {key}", value, _LABEL_RULE
+
+
+def _suggest(name: str, longest: int) -> str:
+    s = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    s = re.sub(r"^[^a-z]+", "", s)[:longest].rstrip("-")
+    return s or "my-model"
+
+
+def _longest() -> tuple[int, str, str, int]:
+    """(most characters of a name, the child name or label that binds it, its rendering for a
+    probe name, its own limit)."""
+    probe = "zq9zq"  # appears in nothing the operator renders but where the name goes
+    return min((limit - (len(value) - len(probe)), what, value, limit)
+               for what, value, (_, limit, _) in _named(_probe_children(probe), probe))
+
+
+def name_errors(name: str) -> list[str]:
+    """What keeps an InferenceService called `name` from having all its children, as messages."""
+    longest, what, probe_value, limit = _longest()
+    errors: list[str] = []
+    if len(name) > longest:
+        errors.append(f"metadata.name {name!r} has {len(name)} characters; at most {longest} fit, since the {what} "
+                      f"built from it ({probe_value.replace('zq9zq', '<name>')!r}) may have at most {limit}; use "
+                      f"e.g. {_suggest(name, longest)!r}")
+    seen: set[str] = set()
+    for what, value, (pattern, _, form) in _named(_probe_children(name), name):
+        if not re.fullmatch(pattern, value) and form not in seen:
+            seen.add(form)
+            errors.append(f"metadata.name {name!r} makes the {what} {value!r}, which must be {form}; use e.g. "
+                          f"{_suggest(name, longest)!r}")
+    return errors
+
+
+def validate(body: dict[str, Any]) -> list[str]:
+    """All problems of an InferenceService (its name and spec), as user-facing messages; [] if none."""
+    m = body["metadata"]
+    # a generated name is the prefix and five random characters
+    name = m.get("name") or (m.get("generateName") or "") + "x" * 5
+    return name_errors(name) + validate_spec(body.get("spec") or {})
 
 
 def validate_spec(spec: dict[str, Any]) -> list[str]:
@@ -68,6 +149,24 @@ def validate_spec(spec: dict[str, Any]) -> list[str]:
         errors.append(f"spec.autoscaling.prefillDecodeRatio.min ({ratio['min']}) is greater than "
                       f".max ({ratio['max']})")
 
+    for name, pool in pools.items():
+        res = pool.get("resources") or {}
+        for section in ("limits", "requests"):
+            if "nvidia.com/gpu" in (res.get(section) or {}):
+                errors.append(f"spec.{name}.resources.{section}.nvidia.com/gpu is set; a pool's GPUs come from "
+                              f"spec.{name}.gpus (now {pool.get('gpus')}): remove it from resources and set gpus")
+            cpu = (res.get(section) or {}).get("cpu")
+            if cpu is not None:
+                try:
+                    cpu_cores(cpu)
+                except ValueError as e:
+                    errors.append(f"spec.{name}.resources.{section}.cpu: {e}")
+
+    if pkv.get("dtype") == "auto" and bool(pools["prefill"].get("gpus")) != bool(pools["decode"].get("gpus")):
+        errors.append("spec.prefill.kv.dtype and spec.decode.kv.dtype are 'auto' but only one pool has GPUs: auto "
+                      "resolves to bfloat16 on a GPU and float32 on the CPU, and decode takes prefill's KV as it is; "
+                      "name the dtype")
+
     model = s.get("model", {})
     if model.get("pvc") and model.get("image"):
         errors.append("spec.model sets both pvc and image; choose one source for /models")
@@ -79,4 +178,22 @@ def validate_spec(spec: dict[str, Any]) -> list[str]:
                               f"weights) or spec.model.image, or give spec.{name}.podTemplate.spec.volumes "
                               "a volume named 'models'")
                 break
-    return errors
+    return errors or _settings_errors(s)
+
+
+def _settings_errors(spec: dict) -> list[str]:
+    """What the pools' own settings (pdserve.config) refuse in the arguments this spec renders: the
+    last word, so that a pod never starts only to exit on its arguments."""
+    found: dict[tuple[str, str, str], list[str]] = {}
+    body = {"metadata": {"name": "probe", "namespace": "default", "uid": "probe"}}
+    for pool, kind in COMMANDS.items():
+        try:
+            settings(body, spec, OperatorConfig(), pool)
+        except ValidationError as e:
+            for err in e.errors():
+                path = ".".join(str(x) for x in err["loc"])
+                where = option(kind, path).flag if path else "settings"
+                msg = err["msg"].removeprefix("Value error, ")
+                found.setdefault((where, repr(err.get("input")), msg), []).append(pool)
+    return [f"the spec gives the {', '.join(pools)} pool{'s' if len(pools) > 1 else ''} {where} {value}: {msg}"
+            for (where, value, msg), pools in found.items()]

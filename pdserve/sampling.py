@@ -1,4 +1,6 @@
-"""Sampling parameters and the per-request token → text stream (incremental detokenisation, stop strings).
+"""Sampling a request's tokens, and its token → text stream (incremental detokenisation, stop strings).
+
+The parameters themselves (`SamplingParams`) are a plain type in `pdserve.basetypes`.
 
 Sampling is deterministic per (seed, position): the random draw for generated token i comes
 from a generator seeded with (seed, i), so a request gives the same text whichever worker —
@@ -9,38 +11,9 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pdserve.basetypes import SamplingParams
 from pdserve.kernels.spec_verify import draw_randomness, process_logits
-
-MAX_STOP_STRINGS = 8
-
-
-class SamplingParams(BaseModel):
-    """What a request asks of generation. Validated at the edge (the front) and again by workers."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_tokens: int = Field(default=256, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # 0 = off
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    ignore_eos: bool = False
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, v: list[str]) -> list[str]:
-        if len(v) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-        if any(not s for s in v):
-            raise ValueError("stop strings must be non-empty")
-        return v
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def position_generator(seed: int, position: int, stream: str = "") -> torch.Generator:

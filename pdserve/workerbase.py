@@ -6,52 +6,25 @@ prompt is being prefilled.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import logging
 import os
 import signal
 import socket
+import sys
 import time
 
 import nats
 from prometheus_client import CollectorRegistry, start_http_server
 
 from pdserve.kvtransfer.protocol import LoadReport, Subjects
+from pdserve.config import WorkerConfig, load
 from pdserve.natsserver import NatsCredentials
 
 log = logging.getLogger("pdserve.worker")
 
 HEARTBEAT_INTERVAL_S = 1.0
-
-
-def deployment_scope() -> str:
-    """Which deployment this process belongs to: $PDSERVE_SCOPE, else the InferenceService
-    ("namespace.name", from the pod's env), else "default". Requests never cross scopes."""
-    if os.environ.get("PDSERVE_SCOPE"):
-        return os.environ["PDSERVE_SCOPE"]
-    if os.environ.get("PDSERVE_ISVC"):
-        return f"{os.environ.get('POD_NAMESPACE', 'default')}.{os.environ['PDSERVE_ISVC']}"
-    return "default"
-
-
-def add_common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="checkpoint folder, or 'default' (SmolLM2-135M-Instruct)")
-    env = os.environ.get
-    # Defaults from the environment the operator sets on pods (PDSERVE_*), flags win.
-    p.add_argument("--served-model-name", default=env("PDSERVE_MODEL_NAME"),
-                   help="name clients use (default: $PDSERVE_MODEL_NAME, else the folder's name)")
-    p.add_argument("--nats-url", default=None, help="default: $PDSERVE_NATS_URL; credentials from $PDSERVE_NATS_USER/_PASSWORD")
-    p.add_argument("--worker-id", default=None, help="default: $POD_NAME or host-pid")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=env("PDSERVE_KV_DTYPE", "float32"), choices=["float32", "bfloat16", "float16"],
-                   help="model and KV dtype (default: $PDSERVE_KV_DTYPE or float32)")
-    p.add_argument("--block-size", type=int, default=int(env("PDSERVE_KV_BLOCK_SIZE", "16")),
-                   help="KV tokens per block (default: $PDSERVE_KV_BLOCK_SIZE or 16)")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0 = off)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads for the compute thread")
-    p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
 
 
 def setup_logging(level: str) -> None:
@@ -60,26 +33,50 @@ def setup_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def require_device(device: str) -> None:
+    """Refuse to start on a device this machine lacks, before any model is loaded: a pool given
+    GPUs must not quietly run on the CPU, and a worker that exits stays NotReady where it is seen."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: CUDA is not available here (no GPU visible to this process, or a "
+                         f"CPU-only torch build {torch.__version__}); run with --device cpu, or schedule the worker "
+                         "where a GPU is")
+
+
+def resolve_dtype(name: str, device: str):
+    """The torch dtype for a `--dtype` value; `auto`: bfloat16 on a GPU that has it (else float16),
+    float32 on the CPU, where bfloat16 matmuls are slower on most processors."""
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
 class WorkerBase:
     role: str = "worker"
+    settings: type[WorkerConfig] = WorkerConfig  # what `pdserve <role>` parses
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: WorkerConfig):
         import torch
 
         from pdserve.modelstore import resolve_model
         from pdserve.runtime import ModelRunner
 
+        require_device(args.device)
         torch.set_num_threads(args.threads)
         self.args = args
-        self.worker_id = args.worker_id or os.environ.get("POD_NAME") or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+        self.worker_id = args.worker_id or args.pod_name or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         # A restarted worker with the same id gets a newer generation; handoffs fence on it.
         self.generation = int(time.time() * 1000)
-        self.scope = deployment_scope()
-        dtype = getattr(torch, args.dtype)
-        self.runner = ModelRunner(resolve_model(args.model), dtype=dtype, device=args.device,
-                                  block_size=args.block_size, served_name=args.served_model_name)
+        self.scope = args.deployment_scope
+        self.runner = ModelRunner(resolve_model(args.model), dtype=resolve_dtype(args.dtype, args.device),
+                                  device=args.device, block_size=args.block_size, served_name=args.served_model_name)
         self.model_name = self.runner.name
-        self.creds = NatsCredentials.from_env(args.nats_url)
+        self.creds = NatsCredentials.from_config(args.nats)
         self.registry = CollectorRegistry()
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-compute")
         self.nc: nats.NATS | None = None
@@ -107,8 +104,7 @@ class WorkerBase:
         return LoadReport(
             worker_id=self.worker_id, role=self.role, model=self.model_name,
             model_fingerprint=self.runner.layout.model_fingerprint, generation=self.generation,
-            isvc=os.environ.get("PDSERVE_ISVC"), pool=os.environ.get("PDSERVE_POOL"),
-            pod=os.environ.get("POD_NAME"), namespace=os.environ.get("POD_NAMESPACE"),
+            isvc=self.args.isvc, pool=self.args.pool, pod=self.args.pod_name, namespace=self.args.namespace,
             data_addr=self.data_addr(), scope=self.scope, **self.load_fields(),
         )
 
@@ -163,12 +159,9 @@ class WorkerBase:
         log.info("%s %s stopped", self.role, self.worker_id)
 
 
-def run_worker(cls, argv: list[str], extra_args=None) -> int:
-    p = argparse.ArgumentParser(prog=f"pdserve {cls.role}")
-    add_common_args(p)
-    if extra_args:
-        extra_args(p)
-    args = p.parse_args(argv)
+def run_worker(cls: type[WorkerBase], argv: list[str]) -> int:
+    doc = sys.modules[cls.__module__].__doc__ or ""
+    args = load(cls.settings, argv, prog=f"pdserve {cls.role}", description=doc.strip().split("\n")[0])
     setup_logging(args.log_level)
     asyncio.run(cls(args).run())
     return 0

@@ -1,5 +1,9 @@
 """The prefill worker: takes prompts from NATS, runs them in batched chunks, hands their KV to decode.
 
+(Longer than our ~600-line norm: the scheduler, pre-positioning, layer streaming and the handoff
+all act on the same jobs, engine and compute thread between two steps; split apart, each piece
+would take the worker's whole state as an argument.)
+
 Requests arrive on the deployment's queue group (any worker) or on this worker's own subject
 (the front routed them here because this worker's prefix cache holds the longest part of the
 prompt). Each is acknowledged at once and joins the scheduler's queue.
@@ -37,11 +41,9 @@ or restarted one, skips what any other already computed.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import logging
-import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -49,13 +51,16 @@ from dataclasses import dataclass
 import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
 
-from pdserve.engine.blocks import OutOfBlocks
+from pdserve.basetypes import announced, prefix_hashes
+from pdserve.config import PrefillConfig
+from pdserve.engine import OutOfBlocks, create_engine
 from pdserve.kvtransfer.channel import KVSendChannel
+from pdserve.kvtransfer.frames import TransferError
 from pdserve.kvtransfer.protocol import (
     PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, PrepositionHint, ProtocolError,
-    StreamEvent, Subjects, Usage, announced, prefix_hashes,
+    StreamEvent, Subjects, Usage,
 )
-from pdserve.kvtransfer.tcp import TransferError
+from pdserve.kvtransfer.shm import SENDER_MAPS
 from pdserve.sampling import TextStream, sample_next
 from pdserve.workerbase import WorkerBase, run_worker
 
@@ -98,14 +103,17 @@ class Job:
 
 class PrefillWorker(WorkerBase):
     role = "prefill"
+    settings = PrefillConfig
+    args: PrefillConfig
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: PrefillConfig):
         super().__init__(args)
         self.offer_timeout = args.offer_timeout
-        self.transfer_timeout = args.transfer_timeout
+        self.transfer_timeout = args.kv.timeout
+        SENDER_MAPS.max_bytes = args.kv.shm_sender_map_bytes  # the process's one map of decode's segments
         self.chunk_size = max(1, args.chunk_size)
         self.max_batch_tokens = max(self.chunk_size, args.max_batch_tokens)
-        self.engine = self._make_engine(args)
+        self.engine = create_engine(self.runner, kv_capacity_bytes=args.kv_capacity_bytes, small_step_weights=False)
         self.jobs: deque[Job] = deque()  # requests, oldest first
         self.hints: OrderedDict[str, Job] = OrderedDict()  # pre-positioning, newest last
         self.hint_job: Job | None = None  # the hint being computed (at most one at a time)
@@ -121,7 +129,7 @@ class PrefillWorker(WorkerBase):
         self._cancelled: set[str] = set()
         self._wake = asyncio.Event()
         self.prefix_store = None  # the offload tier, when --prefix-offload
-        self.stream_layers = args.kv_stream_layers and hasattr(self.engine, "model")
+        self.stream_layers = args.kv.stream_layers and hasattr(self.engine, "model")
         self._stream_candidates: list[Job] = []  # jobs whose last chunk the running step computes
         self._streams: list[Job] = []  # … of which decode accepted a streamed offer
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -150,27 +158,12 @@ class PrefillWorker(WorkerBase):
               ).set_function(lambda: self.transfer_backlog)
         Gauge("pdserve_transfer_backlog_bytes", "KV bytes waiting or in flight", registry=r
               ).set_function(lambda: self.transfer_backlog_bytes)
-        self.m_kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes sent to decode", registry=r)
+        self.m_kv_bytes = Counter("pdserve_kv_transfer_sent_bytes_total", "KV bytes sent to decode (uncompressed)",
+                                  registry=r)
         self.m_streamed = Counter("pdserve_kv_layer_streamed_total", "handoffs whose KV left layer by layer "
                                   "during the prompt's last forward", registry=r)
         self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV handoff time (offer to ACK)", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
-
-    def _make_engine(self, args):
-        """The paged engine (block pool with prefix cache, batched chunks) for Llama-family models;
-        the dense per-sequence engine (no prefix cache) for anything else."""
-        layout = self.runner.layout
-        if self.runner.config.model_type == "llama":
-            from pdserve.engine.runner import PagedRunner
-
-            blocks = max(16, args.kv_capacity_bytes // (layout.block_bytes * layout.num_layers))
-            engine = PagedRunner(self.runner.model_dir, dtype=self.runner.dtype, device=args.device,
-                                 block_size=layout.block_size, num_blocks=blocks, small_step_weights=False)
-            layout.check_matches(engine.layout, what="paged engine")
-            return engine
-        from pdserve.runtime import DenseEngine
-
-        return DenseEngine(self.runner, args.kv_capacity_bytes)
 
     def load_fields(self) -> dict:
         mean = lambda d: sum(d) / len(d) if d else 0.0  # noqa: E731
@@ -190,8 +183,8 @@ class PrefillWorker(WorkerBase):
                 layer.register_forward_hook(lambda m, a, o, i=i: self._layer_done(i))
         # transports in preference order (shm only when decode reports the same host), negotiated per handoff
         self.kv_channel = KVSendChannel(self.nc, sender_id=self.worker_id, generation=self.generation,
-                                        transports=self.args.kv_transports.split(","),
-                                        compression=self.args.kv_compression, timeout=self.transfer_timeout)
+                                        transports=self.args.kv.transport_list,
+                                        compression=self.args.kv.compression, timeout=self.transfer_timeout)
         await self.nc.subscribe(Subjects.prefill(self.scope, self.model_name), queue=PREFILL_QUEUE_GROUP,
                                 cb=self._on_request)
         await self.nc.subscribe(Subjects.prefill_worker(self.scope, self.model_name, self.worker_id),
@@ -622,34 +615,5 @@ class PrefillWorker(WorkerBase):
             self.transfer_backlog_bytes -= kv.nbytes
 
 
-def _args(p: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    p.add_argument("--offer-timeout", type=float, default=5.0, help="seconds to wait for decode to accept a handoff")
-    p.add_argument("--transfer-timeout", type=float, default=float(env("PDSERVE_KV_TIMEOUT_SECONDS", "30")),
-                   help="seconds without progress before a KV send fails")
-    p.add_argument("--kv-transports", default=env("PDSERVE_KV_TRANSPORT", "shm,tcp,nats"),
-                   help="KV transports in preference order (shm,tcp,nats,objstore); decode picks the first it can use")
-    p.add_argument("--kv-compression", default=env("PDSERVE_KV_COMPRESSION", "none"),
-                   choices=["none", "int8", "fp8"], help="KV compression on the wire (off by default)")
-    p.add_argument("--kv-capacity-bytes", type=int, default=int(env("PDSERVE_PREFILL_KV_BYTES", str(512 << 20))),
-                   help="prefill KV pool (prompts being computed + prefix cache) in bytes")
-    p.add_argument("--chunk-size", type=int, default=256, help="most tokens of one prompt per step (chunked prefill)")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="most tokens per prefill step, all prompts together")
-    p.add_argument("--announce-blocks", type=int, default=2048,
-                   help="most cached block addresses announced to routers per load report")
-    p.add_argument("--preposition-budget-blocks", type=int, default=int(env("PDSERVE_PREPOSITION_BLOCKS", "256")),
-                   help="most KV blocks pre-positioned and not yet used (0 turns pre-positioning off)")
-    p.add_argument("--preposition-queue", type=int, default=16, help="most pre-positioning hints kept waiting")
-    p.add_argument("--kv-stream-layers", action=argparse.BooleanOptionalAction,
-                   default=env("PDSERVE_KV_STREAM_LAYERS", "1") in ("1", "true", "yes"),
-                   help="send each layer's KV to decode as soon as the prompt's last forward computed it")
-    p.add_argument("--prefix-offload", action=argparse.BooleanOptionalAction,
-                   default=env("PDSERVE_PREFIX_OFFLOAD", "0") in ("1", "true", "yes"),
-                   help="share prefix KV blocks with every worker through the JetStream object store (offload tier)")
-    p.add_argument("--prefix-offload-ttl", type=float, default=float(env("PDSERVE_PREFIX_OFFLOAD_TTL", "3600")),
-                   help="seconds a stored prefix block lives")
-    p.add_argument("--data-port", type=int, default=0, help="unused by prefill today (it connects out); kept for symmetry")
-
-
 def main(argv: list[str]) -> int:
-    return run_worker(PrefillWorker, argv, _args)
+    return run_worker(PrefillWorker, argv)

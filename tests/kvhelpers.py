@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout
+from pdserve.basetypes import KVLayout
+from pdserve.kvtransfer.layout import KVBlocks
 
 
 def random_kv(layout: KVLayout, num_tokens: int, seed: int) -> KVBlocks:

@@ -115,6 +115,19 @@ def test_default_render_is_secure_and_complete():
     assert f"{svc['name']}.{svc['namespace']}.svc" in sans
 
 
+def test_operator_environment_is_its_settings():
+    """Every variable the chart sets on the operator is one of its typed settings (a misspelt
+    one would be ignored), and the CRD is applied at start unless turned off."""
+    from pdserve.config import OperatorSettings, options
+
+    known = {o.env for o in options(OperatorSettings)}
+    for values in ([], NON_DEFAULT, ["--set", "operator.manageCRD=false"]):
+        op = next(d for d in render(*values) if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pdserve-operator")
+        env = {e["name"]: e.get("value") for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert set(env) <= known, set(env) - known
+        assert env["PDSERVE_MANAGE_CRD"] == ("false" if "operator.manageCRD=false" in values else "true")
+
+
 def test_non_default_render_uses_external_nats_and_no_webhook():
     docs = render(*NON_DEFAULT)
     assert not any(d["kind"] == "ValidatingWebhookConfiguration" for d in docs)
@@ -124,7 +137,9 @@ def test_non_default_render_uses_external_nats_and_no_webhook():
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["PDSERVE_NATS_URL"] == "nats://nats.infra:4222" and env["PDSERVE_NATS_SECRET"] == "infra-nats"
     assert c["args"] == ["--namespace=ml", "--namespace=research", "--verbose"]
-    assert c["image"] == "ghcr.io/pdserve/pdserve:0.1.1"
+    # image.* is the workers' image, which the operator hands on; the operator runs its own slim one.
+    assert env["PDSERVE_IMAGE"] == "ghcr.io/pdserve/pdserve:0.1.1"
+    assert c["image"] == "ghcr.io/pdserve/pdserve-operator:0.1.0"
     assert op["spec"]["template"]["spec"]["serviceAccountName"] == "pdserve-op"
     apis = {d["metadata"]["name"] for d in docs if d["kind"] == "APIService"}
     assert apis == {"v1beta1.custom.metrics.k8s.io"}  # the metrics adapter, external group turned off
@@ -141,7 +156,7 @@ def test_examples_are_valid_inferenceservices(example):
     """Examples validate against the CRD's own openAPIV3Schema and the cross-field rules."""
     jsonschema = pytest.importorskip("jsonschema")
     from pdserve.operator import crd
-    from pdserve.operator.validation import validate_spec
+    from pdserve.operator.validation import validate
 
     schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
@@ -150,7 +165,8 @@ def test_examples_are_valid_inferenceservices(example):
         if s.get("type") == "object" and "properties" in s and not s.get("x-kubernetes-preserve-unknown-fields"):
             s["additionalProperties"] = False
         if "properties" in s:
-            s["properties"] = {k: strict(v) for k, v in s["properties"].items()}
+            # metadata is the server's: the CRD constrains its name only
+            s["properties"] = {k: v if k == "metadata" else strict(v) for k, v in s["properties"].items()}
         if isinstance(s.get("items"), dict):
             s["items"] = strict(s["items"])
         s.pop("x-kubernetes-int-or-string", None)
@@ -164,4 +180,4 @@ def test_examples_are_valid_inferenceservices(example):
     assert isvcs
     for d in isvcs:
         jsonschema.validate(d, strict(schema))
-        assert validate_spec(d["spec"]) == []
+        assert validate(d) == []

@@ -15,13 +15,13 @@ from pdserve.decode.drafters import (
     Drafter,
     NgramDrafter,
     NoDrafter,
-    SamplingSpec,
     TokenizerMismatchError,
     brute_force_ngram_proposal,
     check_tokenizer_compatible,
     crop_cache,
     make_drafter,
 )
+from pdserve.basetypes import SamplingParams
 
 
 def _propose(drafter, rid, toks, k, sampling=None) -> Draft:
@@ -252,7 +252,7 @@ def test_draft_model_rollback_after_partial_acceptance(model, tokenizer):
 def test_draft_model_sampled_proposals_carry_probs(model, tokenizer):
     prompt = _chat(tokenizer, "Say something.")
     d = DraftModelDrafter(model, seed=1)
-    draft = _propose(d, "r", prompt, 3, SamplingSpec(temperature=0.8, top_k=20, top_p=0.9))
+    draft = _propose(d, "r", prompt, 3, SamplingParams(temperature=0.8, top_k=20, top_p=0.9))
     assert len(draft.token_ids) == 3
     assert draft.probs is not None and draft.probs.shape == (3, model.config.vocab_size)
     assert draft.probs.dtype == torch.float32

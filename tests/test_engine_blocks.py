@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pdserve.engine.blocks import BlockPool, OutOfBlocks
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
+from pdserve.basetypes import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.layout import KVBlocks
 
 BS = 4
 

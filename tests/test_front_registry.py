@@ -48,7 +48,7 @@ def test_registry_sees_only_its_scope_and_forgets_the_silent(nats_server):
 def test_routing_prefers_the_cached_prefix_balanced_against_load_and_decode_by_free_kv(nats_server):
     """Prefill: the worker announcing the prompt's longest cached prefix wins unless its queue outweighs
     the saving; decode: the most free KV capacity wins, counting what the caller already sent."""
-    from pdserve.kvtransfer.protocol import announced, prefix_hashes
+    from pdserve.basetypes import announced, prefix_hashes
 
     prompt = list(range(100, 420))  # 320 tokens = 20 blocks of 16
     chain = [announced(h) for h in prefix_hashes(prompt, 16)]

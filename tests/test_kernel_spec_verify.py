@@ -332,7 +332,8 @@ def coupled_batch(seed: int, batch: int, k: int, vocab: int):
     Drafts are the plain-sampling token at the position most of the time (so runs of acceptances happen),
     a random token otherwise; num_draft is ragged.
     """
-    from pdserve.sampling import SamplingParams, position_noise, sample_next
+    from pdserve.basetypes import SamplingParams
+    from pdserve.sampling import position_noise, sample_next
 
     g = torch.Generator().manual_seed(seed)
     target = torch.randn(batch, k + 1, vocab, generator=g) * 2.0

@@ -20,15 +20,15 @@ import torch
 
 from kvhelpers import random_kv
 from pdserve.kvtransfer.channel import KVReceiveChannel, KVSendChannel
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
+from pdserve.basetypes import KVLayout, LayoutMismatch, SamplingParams
+from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.natsdata import DEFAULT_BUCKET, _msg
 from pdserve.kvtransfer.protocol import HandoffOffer, Subjects, TransferFailed
-from pdserve.kvtransfer.shm import owned_elsewhere
-from pdserve.kvtransfer.tcp import (
-    CHUNK, END, HELLO, SHM_DIR, SHM_PREFIX, KVReceiver, TransferError, TransferHeader, from_token_groups, host_id,
-    layer_wire_pieces, shm_path, to_token_groups,
+from pdserve.kvtransfer.frames import (
+    CHUNK, END, HELLO, TransferError, TransferHeader, from_token_groups, layer_wire_pieces, to_token_groups,
 )
-from pdserve.sampling import SamplingParams
+from pdserve.kvtransfer.shm import SHM_DIR, SHM_PREFIX, host_id, owned_elsewhere, shm_path
+from pdserve.kvtransfer.tcp_server import KVReceiver
 
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=4, kv_heads=2, head_dim=16, dtype="bfloat16", block_size=8)
 ALL = ["tcp", "shm", "nats", "objstore"]
@@ -312,7 +312,7 @@ _CHILD_SENDER = textwrap.dedent("""
     import asyncio, json, os, sys, time, torch, nats
     from pdserve.kvtransfer.channel import KVSendChannel
     from pdserve.kvtransfer.protocol import HandoffReply
-    from pdserve.kvtransfer.tcp import TransferHeader
+    from pdserve.kvtransfer.frames import TransferHeader
     reply = HandoffReply.model_validate_json(sys.argv[1])
     header = TransferHeader.model_validate_json(sys.argv[2])
     nl = header.layout.num_layers
@@ -371,9 +371,9 @@ def test_sender_killed_mid_transfer(nats_server, transport):
 _CHILD_RECEIVER = textwrap.dedent("""
     import asyncio, os, sys, nats
     from pdserve.kvtransfer.channel import KVReceiveChannel
-    from pdserve.kvtransfer.layout import KVLayout
+    from pdserve.basetypes import KVLayout
     from pdserve.kvtransfer.protocol import HandoffOffer
-    from pdserve.kvtransfer.tcp import KVReceiver
+    from pdserve.kvtransfer.tcp_server import KVReceiver
     offer = HandoffOffer.model_validate_json(sys.argv[1])
     async def main():
         nc = await nats.connect(os.environ["PDSERVE_NATS_URL"], user=os.environ["PDSERVE_NATS_USER"],
@@ -392,7 +392,7 @@ def test_receiver_killed_mid_receive(nats_server, transport):
     segment it granted, by the sender at once; a pooled segment a TCP receive had leased (when the receiver
     got that far before it died), by the next receiver that starts on the host, as a restarted decode does."""
     from pdserve.kvtransfer.protocol import HandoffReply
-    from pdserve.kvtransfer.tcp import sweep_stale_segments
+    from pdserve.kvtransfer.shm import sweep_stale_segments
 
     kv = make_kv(64)
     sweep_stale_segments()  # orphans of processes that died before this test are not its business
@@ -528,7 +528,8 @@ def test_objstore_corrupt_or_missing_object_is_refused_and_deleted(nats_server):
     kv = make_kv()
 
     async def go():
-        from pdserve.kvtransfer.natsdata import OBJECT, ensure_bucket
+        from pdserve.kvtransfer.frames import OBJECT
+        from pdserve.kvtransfer.natsdata import ensure_bucket
 
         nc = await _connect(nats_server)
         out = []

@@ -9,7 +9,8 @@ import nats
 import pytest
 import torch
 
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
+from pdserve.basetypes import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.offload import KVPrefixStore, PrefixCorrupt, block_hashes
 
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=3, kv_heads=2, head_dim=8, dtype="bfloat16", block_size=4)

@@ -12,9 +12,13 @@ import pytest
 import torch
 
 from kvhelpers import random_kv
-from pdserve.kvtransfer.layout import KVLayout
-from pdserve.kvtransfer.shm import POOL_PREFIX, SENDER_MAPS, SenderMaps, ShmPool, owned_elsewhere, sweep_orphans
-from pdserve.kvtransfer.tcp import SHM_DIR, KVReceiver, TransferError, TransferHeader, send_kv, sweep_stale_segments
+from pdserve.basetypes import KVLayout
+from pdserve.kvtransfer.frames import TransferError, TransferHeader
+from pdserve.kvtransfer.shm import (
+    POOL_PREFIX, SENDER_MAPS, SHM_DIR, SenderMaps, ShmPool, owned_elsewhere, sweep_orphans, sweep_stale_segments,
+)
+from pdserve.kvtransfer.tcp_send import send_kv
+from pdserve.kvtransfer.tcp_server import KVReceiver
 
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=4, kv_heads=2, head_dim=16, dtype="bfloat16", block_size=8)
 

@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from kvhelpers import random_kv
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout, LayoutMismatch
-from pdserve.kvtransfer import tcp
-from pdserve.kvtransfer.tcp import (
-    CHUNK, END, FOLLOWS, HELLO, KEPT, PIECE_BYTES, TCHUNK, ZCHUNK, KeptConnections, KVReceiver, TransferError,
-    TransferHeader, _frame, _read_frame, layer_wire_pieces, send_kv, send_kv_stream,
+from pdserve.basetypes import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.layout import KVBlocks
+from pdserve.kvtransfer import sockio, tcp_send
+from pdserve.kvtransfer.frames import (
+    CHUNK, END, FOLLOWS, HELLO, PIECE_BYTES, TCHUNK, ZCHUNK, TransferError, TransferHeader, frame, layer_wire_pieces,
+    read_frame,
 )
+from pdserve.kvtransfer.tcp_send import KEPT, KeptConnections, send_kv, send_kv_stream
+from pdserve.kvtransfer.tcp_server import KVReceiver
 
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=3, kv_heads=2, head_dim=8, dtype="float32", block_size=4)
 
@@ -79,7 +82,7 @@ def _send_raw(addr: str, frames: list[bytes], read_ack: bool = True, timeout: fl
         ack = None
         if read_ack:
             try:
-                _, _, payload = await _read_frame(reader, timeout, 1 << 20)
+                _, _, payload = await read_frame(reader, timeout, 1 << 20)
                 ack = json.loads(payload)
             except TransferError:
                 ack = None
@@ -91,11 +94,11 @@ def _send_raw(addr: str, frames: list[bytes], read_ack: bool = True, timeout: fl
 def _frames_for(kv: KVBlocks, hdr: TransferHeader, kind: int = CHUNK, flags: int = 0) -> list[bytes]:
     """HELLO, one frame per layer (CHUNK: crc in the header; TCHUNK: crc in a trailer, `flags` in its
     header), END."""
-    out = [b"".join(_frame(HELLO, hdr.model_dump_json().encode()))]
+    out = [b"".join(frame(HELLO, hdr.model_dump_json().encode()))]
     for i, layer in enumerate(kv.layers):
         raw = layer.contiguous().view(torch.uint8).numpy().tobytes()
-        out.append(b"".join(bytes(x) for x in _frame(kind, raw, i, flags=flags)))
-    out.append(b"".join(_frame(END, b"{}")))
+        out.append(b"".join(bytes(x) for x in frame(kind, raw, i, flags=flags)))
+    out.append(b"".join(frame(END, b"{}")))
     return out
 
 
@@ -337,7 +340,7 @@ def test_deflated_chunk_that_does_not_inflate_to_its_length_is_refused(lie):
     async def go():
         rx = await KVReceiver(LAYOUT).start()
         token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens, compression=compression)
-        frames = [b"".join(_frame(HELLO, header(token, kv, compression=compression).model_dump_json().encode()))]
+        frames = [b"".join(frame(HELLO, header(token, kv, compression=compression).model_dump_json().encode()))]
         for i, layer in enumerate(kv.layers):
             for kind, li, off, payload in layer_wire_pieces(i, layer, "int8"):
                 payload = bytes(payload)
@@ -351,8 +354,8 @@ def test_deflated_chunk_that_does_not_inflate_to_its_length_is_refused(lie):
                         payload = payload[:8] + b"\xff" * (len(payload) - 8)
                 if compression == "none" and kind != ZCHUNK:
                     continue
-                frames.append(b"".join(bytes(x) for x in _frame(kind, payload, li, off)))
-        frames.append(b"".join(_frame(END, b"{}")))
+                frames.append(b"".join(bytes(x) for x in frame(kind, payload, li, off)))
+        frames.append(b"".join(frame(END, b"{}")))
         sender = asyncio.create_task(_send_raw(rx.address, frames))
         # a stated length past the layer is refused before anything is inflated
         with pytest.raises(TransferError, match="deflated chunk|layout says"):
@@ -493,7 +496,7 @@ def test_a_kept_connection_the_receiver_closed_is_replaced(monkeypatch, caplog, 
             await _transfer(rx, kv, "r4", stream_delay)  # the closed connection is seen and dropped
             assert "sending on a new one" not in caplog.text
             await receiver_hangs_up(rx)
-            monkeypatch.setattr(tcp, "_readable", lambda sock: False)
+            monkeypatch.setattr(tcp_send, "readable", lambda sock: False)
             await _transfer(rx, kv, "r5", stream_delay)  # sent on the dead one first, then again
             assert "sending on a new one" in caplog.text
         await rx.close()
@@ -532,7 +535,7 @@ def test_a_piece_and_what_follows_it_arrive_whole_across_partial_reads():
     import time
 
     a, b = socket.socketpair()
-    tcp._io_timeout(b, 0.2)
+    sockio.io_timeout(b, 0.2)
     data = bytes(range(256)) * 40  # 10 KiB: a piece of 10,000 bytes, then 240 more
     piece, then = bytearray(10_000), bytearray(240)
 
@@ -545,13 +548,13 @@ def test_a_piece_and_what_follows_it_arrive_whole_across_partial_reads():
 
     t = threading.Thread(target=dribble)
     t.start()
-    tcp._recv_exact(b, piece, then)
+    sockio.recv_exact(b, piece, then)
     t.join()
     assert bytes(piece) == data[:10_000] and bytes(then) == data[10_000:]
     a.sendall(data[:5000])
     a.close()
     with pytest.raises(TransferError, match="stream truncated: got 5000 of 10240 bytes"):
-        tcp._recv_exact(b, piece, then)
+        sockio.recv_exact(b, piece, then)
     b.close()
 
 

@@ -64,32 +64,56 @@ def test_children_set_owner_refs_and_labels():
     assert by_kind_name(children)[("PodDisruptionBudget", "llama-decode")]["apiVersion"] == "policy/v1beta1"
 
 
+# What a kubelet would put in the downward-API and Secret variables of a pod.
+FAKE_POD = {"metadata.name": "llama-pod-abcde", "metadata.namespace": "ml", "status.podIP": "10.1.2.3"}
+
+
+def parsed(children, pool: str, name: str = "llama"):
+    """The settings a pool's container starts with: its args and env parsed by the parser its
+    command (`pdserve <pool>`) uses, with downward-API fields and Secret keys filled in."""
+    from pdserve import config
+
+    c = container(children, f"{name}-{pool}")
+    assert c["command"] == ["pdserve", pool] and "args" in c
+    env = {}
+    for e in c["env"]:
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif "fieldRef" in e["valueFrom"]:
+            env[e["name"]] = FAKE_POD[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            ref = e["valueFrom"]["secretKeyRef"]
+            env[e["name"]] = f"{ref['name']}/{ref['key']}"
+    return config.load(config.COMMANDS[pool], c["args"], env)
+
+
 def test_worker_command_lines_env_and_gpus():
     children = desired_children(isvc({"decode": {"gpus": 2}}), CFG)
-    p = container(children, "llama-prefill")
-    assert p["command"] == ["pdserve", "prefill", "--model", "/models/llama-3-8b", "--nats-url",
-                            "nats://pdserve-nats.sys:4222", "--data-port", "7100", "--metrics-port", "9100"]
-    d = container(children, "llama-decode")
-    assert d["command"] == ["pdserve", "decode", "--model", "/models/llama-3-8b", "--nats-url",
-                            "nats://pdserve-nats.sys:4222", "--data-port", "7200", "--metrics-port", "9100",
-                            "--spec-method", "ngram", "--spec-max-k", "8", "--kv-compression", "none"]
-    f = container(children, "llama-front")
-    assert f["command"] == ["pdserve", "front", "--model", "/models/llama-3-8b", "--nats-url",
-                            "nats://pdserve-nats.sys:4222", "--port", "8000"]
-    assert p["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert d["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert "nvidia.com/gpu" not in f["resources"].get("limits", {})
-    env = {e["name"]: e for e in d["env"]}
-    assert env["PDSERVE_POOL"]["value"] == "decode" and env["PDSERVE_ISVC"]["value"] == "llama"
-    penv = {e["name"]: e.get("value") for e in p["env"]}
+    p, d, f = (parsed(children, pool) for pool in ("prefill", "decode", "front"))
+    for cfg, port in ((p, 7100), (d, 7200)):
+        assert (cfg.model, cfg.nats.url) == ("/models/llama-3-8b", "nats://pdserve-nats.sys:4222")
+        assert (cfg.data_port, cfg.metrics_port, cfg.device) == (port, 9100, "cuda")
+    assert (d.spec.method, d.spec.max_k, d.kv.compression, d.data_host) == ("ngram", 8, "none", "0.0.0.0")
+    assert d.advertise_host == "10.1.2.3", "decode advertises its pod IP to prefill"
+    assert (f.model, f.nats.url, f.port, f.host) == ("/models/llama-3-8b", "nats://pdserve-nats.sys:4222", 8000,
+                                                     "0.0.0.0")
+    pc, dc, fc = (container(children, f"llama-{pool}") for pool in ("prefill", "decode", "front"))
+    assert pc["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert dc["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert "nvidia.com/gpu" not in fc["resources"].get("limits", {})
+    assert (d.pool, d.isvc, d.worker_id or d.pod_name, d.deployment_scope) == ("decode", "llama", "llama-pod-abcde",
+                                                                                "ml.llama")
+    assert (p.pool, f.pool, f.deployment_scope) == ("prefill", "front", "ml.llama")
     # Both ends of a KV transfer must agree on its layout and encoding.
-    assert (penv["PDSERVE_KV_DTYPE"], penv["PDSERVE_KV_BLOCK_SIZE"], penv["PDSERVE_KV_COMPRESSION"]) == ("bfloat16", "16", "none")
-    assert penv["PDSERVE_KV_FAILURE_POLICY"] == "recompute" and penv["PDSERVE_POOL"] == "prefill"
+    assert (p.dtype, p.block_size, p.kv.compression) == (d.dtype, d.block_size, d.kv.compression) == ("bfloat16", 16, "none")
+    assert (f.kv_failure_policy, f.kv_dtype) == ("recompute", "bfloat16")
+    env = {e["name"]: e for e in dc["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["PDSERVE_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "llama-nats", "key": "password"}
+    assert d.nats.password.get_secret_value() == "llama-nats/password" and d.nats.user == "llama-nats/user"
     # Secrets never appear in arguments or plain env values.
-    for c in (p, d, f):
-        flat = " ".join(c["command"]) + " ".join(str(e.get("value", "")) for e in c["env"])
+    for c in (pc, dc, fc):
+        flat = " ".join(c["command"] + c["args"]) + " ".join(str(e.get("value", "")) for e in c["env"])
         assert "s3cret" not in flat
     secret = by_kind_name(children)[("Secret", "llama-nats")]
     assert base64.b64decode(secret["data"]["password"]).decode() == "s3cret"
@@ -100,14 +124,13 @@ def test_worker_command_lines_env_and_gpus():
 
 def test_shared_memory_is_bounded_and_the_kv_pool_fits_in_it():
     """/dev/shm is memory counted against the pod: the operator bounds it (kvTransfer.shmSizeLimit) and
-    tells the workers to keep at most half of it as idle KV segments."""
+    tells decode, whose receiver keeps the pool of idle KV segments there, to keep at most half of it."""
     for spec, limit, pool_bytes in (({}, "4Gi", 2 << 30), ({"kvTransfer": {"shmSizeLimit": "768Mi"}}, "768Mi", 384 << 20)):
         children = desired_children(isvc(spec), CFG)
         for name in ("llama-prefill", "llama-decode"):
             pod = by_kind_name(children)[("Deployment", name)]["spec"]["template"]["spec"]
             assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": limit}} in pod["volumes"]
-            env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
-            assert env["PDSERVE_SHM_POOL_BYTES"] == str(pool_bytes)
+        assert parsed(children, "decode").kv.shm_pool_bytes == pool_bytes
     schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     pattern = schema["properties"]["spec"]["properties"]["kvTransfer"]["properties"]["shmSizeLimit"]["pattern"]
     import re
@@ -130,15 +153,12 @@ def test_api_key_external_nats_and_overrides():
     children = desired_children(isvc(spec), CFG)
     kinds = by_kind_name(children)
     assert ("Secret", "llama-nats") not in kinds  # user-named secret used as-is
-    f = container(children, "llama-front")
-    assert f["command"][-2:] == ["--port", "9000"]
-    assert "--nats-url" in f["command"] and "nats://ext:4222" in f["command"]
-    fenv = {e["name"]: e for e in f["env"]}
-    assert fenv["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "api", "key": "token"}
-    assert fenv["PDSERVE_NATS_USER"]["valueFrom"]["secretKeyRef"] == {"name": "ext-nats", "key": "user"}
-    d = container(children, "llama-decode")
-    assert d["command"][-8:] == ["--spec-method", "draft", "--spec-max-k", "4", "--kv-compression", "none",
-                                 "--draft-model", "/models/tiny"]
+    f = parsed(children, "front")
+    assert (f.port, f.nats.url) == (9000, "nats://ext:4222")
+    assert f.api_key.get_secret_value() == "api/token", "the API key comes from the user's Secret"
+    assert (f.nats.user, f.nats.password.get_secret_value()) == ("ext-nats/user", "ext-nats/password")
+    d = parsed(children, "decode")
+    assert (d.spec.method, d.spec.max_k, d.kv.compression, d.spec.draft_model) == ("draft", 4, "none", "/models/tiny")
     pre = kinds[("Deployment", "llama-prefill")]["spec"]["template"]
     assert pre["spec"]["nodeSelector"] == {"gpu": "h100"}
     assert pre["spec"]["priorityClassName"] == "serving"
@@ -281,16 +301,17 @@ def test_operator_main_maps_flags_to_env_and_runs_kopf(monkeypatch):
 
 
 def test_stopping_pods_drain_before_the_kubelet_kills_them():
-    """Zero-failure rolls and scale-downs: every pod is told its drain bound, gets a grace period
-    above it (plus the front's pre-stop wait), and the front keeps accepting until kube-proxy has
-    dropped it from its Service; Deployments never go below their serving capacity."""
-    children = by_kind_name(desired_children(isvc(), CFG))
+    """Zero-failure rolls and scale-downs: every pod gets a grace period above the drain bound its
+    process runs with (plus the front's pre-stop wait), and the front keeps accepting until
+    kube-proxy has dropped it from its Service; Deployments never go below their serving capacity."""
+    children = desired_children(isvc(), CFG)
     for pool in ("prefill", "decode", "front"):
-        d = children[("Deployment", f"llama-{pool}")]["spec"]
+        d = by_kind_name(children)[("Deployment", f"llama-{pool}")]["spec"]
         assert d["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
         pod = d["template"]["spec"]
         (c,) = pod["containers"]
-        drain = float({e["name"]: e.get("value") for e in c["env"]}["PDSERVE_DRAIN_TIMEOUT_SECONDS"])
+        drain = parsed(children, pool).drain_timeout
+        assert drain > 0
         pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
         assert pre_stop[0] == "sleep"
         assert pod["terminationGracePeriodSeconds"] > float(pre_stop[1]) + drain
@@ -304,18 +325,120 @@ def test_worker_readiness_probes_the_metrics_endpoint():
     for name in ("llama-prefill", "llama-decode"):
         container = children[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
         assert container["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
-        assert {"name": "metrics", "containerPort": 9100} in container["ports"]
+        assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in container["ports"]
 
 
 def test_prefix_cache_settings_reach_front_and_prefill():
-    def envs(spec):
+    def settings(spec):
         children = desired_children(isvc(spec), OperatorConfig())
-        return ({e["name"]: e.get("value") for e in container(children, "llama-front")["env"]},
-                {e["name"]: e.get("value") for e in container(children, "llama-prefill")["env"]})
+        return parsed(children, "front"), parsed(children, "prefill")
 
-    front, prefill = envs(None)  # defaults: pre-positioning on, offload off
-    assert front["PDSERVE_PREPOSITION"] == "1" and prefill["PDSERVE_PREPOSITION_BLOCKS"] == "256"
-    assert prefill["PDSERVE_PREFIX_OFFLOAD"] == "0"
-    front, prefill = envs({"prefixCache": {"prepositioning": False, "offload": True, "offloadTTLSeconds": 60}})
-    assert front["PDSERVE_PREPOSITION"] == "0" and prefill["PDSERVE_PREPOSITION_BLOCKS"] == "0"
-    assert (prefill["PDSERVE_PREFIX_OFFLOAD"], prefill["PDSERVE_PREFIX_OFFLOAD_TTL"]) == ("1", "60")
+    front, prefill = settings(None)  # defaults: pre-positioning on, offload off
+    assert front.preposition is True and prefill.preposition_budget_blocks == 256
+    assert prefill.prefix_offload is False
+    front, prefill = settings({"prefixCache": {"prepositioning": False, "offload": True, "offloadTTLSeconds": 60}})
+    assert front.preposition is False and prefill.preposition_budget_blocks == 0
+    assert (prefill.prefix_offload, prefill.prefix_offload_ttl) == (True, 60)
+
+
+@pytest.mark.parametrize("pool_spec,device,threads", [
+    ({}, "cuda", 1),                                                        # gpus default 1, no CPU given
+    ({"gpus": 0, "resources": {"limits": {"cpu": "2500m"}}}, "cpu", 2),      # rounded down
+    ({"gpus": 0, "resources": {"limits": {"cpu": "500m"}}}, "cpu", 1),       # at least one
+    ({"gpus": 0, "resources": {"requests": {"cpu": 4}}}, "cpu", 4),          # no limit: the request
+    ({"gpus": 0, "resources": {"requests": {"cpu": "8"}, "limits": {"cpu": "6"}}}, "cpu", 6),
+    ({"gpus": 2, "resources": {"limits": {"cpu": "16"}}}, "cuda", 16),
+])
+def test_device_follows_gpus_and_threads_follow_the_cpu_limit(pool_spec, device, threads):
+    """Pools with GPUs run on CUDA; CPU pools take their torch threads from the CPU they were given."""
+    children = desired_children(isvc({"prefill": pool_spec, "decode": pool_spec}), CFG)
+    for pool in ("prefill", "decode"):
+        cfg = parsed(children, pool)
+        assert (cfg.device, cfg.threads) == (device, threads)
+
+
+def test_cpu_quantities():
+    from pdserve.operator.reconcile import cpu_cores
+
+    assert [cpu_cores(q) for q in ("2", "1500m", 0.5, "0.25", "1e3m", 3)] == [2, 1.5, 0.5, 0.25, 1, 3]
+    with pytest.raises(ValueError, match="not a CPU quantity"):
+        cpu_cores("2 cores")
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ({"decode": {"resources": {"limits": {"nvidia.com/gpu": 2}}}},
+     "spec.decode.resources.limits.nvidia.com/gpu is set; a pool's GPUs come from spec.decode.gpus (now 1)"),
+    ({"prefill": {"gpus": 0, "resources": {"requests": {"nvidia.com/gpu": "1"}}}},
+     "spec.prefill.resources.requests.nvidia.com/gpu is set"),
+    ({"decode": {"resources": {"limits": {"cpu": "lots"}}}}, "spec.decode.resources.limits.cpu: 'lots' is not a CPU"),
+    ({"prefill": {"gpus": 0, "kv": {"dtype": "auto"}}, "decode": {"kv": {"dtype": "auto"}}},
+     "only one pool has GPUs"),
+    ({"nats": {"url": "nats-host:4222"}},
+     "the spec gives the prefill, decode, front pools --nats-url 'nats-host:4222': 'nats-host:4222' is not a NATS URL"),
+])
+def test_validation_refuses_what_the_pods_could_not_run(spec, needle):
+    errors = validate_spec(isvc(spec)["spec"])
+    assert any(needle in e for e in errors), errors
+
+
+def test_dtype_auto_is_allowed_where_both_pools_resolve_it_alike():
+    assert validate_spec(isvc({"prefill": {"kv": {"dtype": "auto"}}, "decode": {"kv": {"dtype": "auto"}}})["spec"]) == []
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("a" * 100, "has 100 characters; at most 56 fit, since the Service name built from it ('<name>-decode') may "
+                "have at most 63"),
+    ("a" * 60, "has 60 characters; at most 56 fit"),
+    ("qwen.v2", "makes the Service name 'qwen.v2', which must be a DNS-1035 label"),
+    ("Llama", "which must be a DNS-1035 label"),
+    ("7b", "which must be a DNS-1035 label"),
+])
+def test_names_that_cannot_name_every_child_are_refused(name, needle):
+    from pdserve.operator.validation import validate
+
+    errors = validate(isvc(name=name))
+    assert any(needle in e for e in errors), errors
+    assert any("use e.g. '" in e for e in errors)
+    assert validate(isvc(name="a" * 56)) == [] and validate(isvc(name="qwen-v2")) == []
+
+
+def test_the_crd_name_rule_is_the_validation_rule():
+    """The CRD states the same rule on metadata.name as the webhook applies, so the API server
+    refuses such names even where no webhook runs."""
+    import random
+    import re
+
+    from pdserve.operator.validation import name_errors
+
+    rule = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["metadata"]["properties"]["name"]
+    rng = random.Random(3)
+    alphabet = "abcxyz0189-.A_"
+    names = ["a", "qwen", "qwen.v2", "a-", "-a", "a" * 56, "a" * 57, "9a", "a9", "a--b"]
+    names += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 70))) for _ in range(300)]
+    for n in names:
+        by_schema = len(n) <= rule["maxLength"] and re.search(rule["pattern"], n) is not None
+        assert by_schema == (name_errors(n) == []), (n, name_errors(n))
+
+
+def test_status_reports_refused_children():
+    body = isvc()
+    ready = {"prefill": _dep(1, 1), "decode": _dep(1, 1), "front": _dep(1, 1)}
+    st = compute_status(body, ready, [], "T0", refused=[("Invalid", "Service llama-decode: name too long")])
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "Invalid")
+    assert conds["Degraded"]["message"] == "Service llama-decode: name too long"
+    assert conds["Ready"]["status"] == "False" and conds["Ready"]["reason"] == "ChildRefused"
+    body["status"] = st
+    st2 = compute_status(body, ready, [], "T1")
+    assert {c["type"]: c["status"] for c in st2["conditions"]}["Degraded"] == "False"
+
+
+def test_the_operator_loads_neither_torch_nor_the_workers():
+    """The operator renders pods from pdserve.config alone, so its image can leave out torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pdserve.operator.handlers, pdserve.operator.main; "
+            "print(sorted(m for m in ('torch', 'triton', 'transformers', 'pdserve.workerbase') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

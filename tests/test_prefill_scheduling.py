@@ -14,11 +14,9 @@ from pathlib import Path
 import nats
 import pytest
 
-from pdserve.kvtransfer.protocol import (
-    Ack, LoadReport, PrefillRequest, PrepositionHint, Subjects, announced, prefix_hashes,
-)
+from pdserve.basetypes import SamplingParams, announced, prefix_hashes
+from pdserve.kvtransfer.protocol import Ack, LoadReport, PrefillRequest, PrepositionHint, Subjects
 from pdserve.local import LocalCluster
-from pdserve.sampling import SamplingParams
 from servinghelpers import hf_greedy as _hf_greedy, post, wait_for
 
 pytestmark = pytest.mark.model

@@ -159,7 +159,7 @@ def test_health_metrics_and_models(cluster):
         text = r.read().decode()
     for name in ("pdserve_requests_total", "pdserve_time_to_first_token_seconds_bucket",
                  "pdserve_inter_token_latency_seconds_bucket", "pdserve_queue_depth",
-                 "pdserve_kv_transfer_bytes_total"):
+                 "pdserve_kv_transfer_moved_bytes_total"):
         assert name in text
-    moved = [l for l in text.splitlines() if l.startswith("pdserve_kv_transfer_bytes_total ")]
+    moved = [l for l in text.splitlines() if l.startswith("pdserve_kv_transfer_moved_bytes_total ")]
     assert moved and float(moved[0].split()[1]) > 0

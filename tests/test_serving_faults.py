@@ -16,10 +16,9 @@ from pathlib import Path
 import nats
 import pytest
 
-from pdserve.kvtransfer.layout import KVLayout
+from pdserve.basetypes import KVLayout, SamplingParams
 from pdserve.kvtransfer.protocol import HandoffOffer, HandoffReply, StreamEvent, Subjects
 from pdserve.local import LocalCluster
-from pdserve.sampling import SamplingParams
 from servinghelpers import post
 
 pytestmark = pytest.mark.model

@@ -33,7 +33,8 @@ def reference(nats_server, model_dir):
 
 
 def wire_bytes(metrics_port: int) -> tuple[dict[tuple[str, str], float], float]:
-    """decode's pdserve_kv_transfer_wire_bytes_total by (transport, compression), and the KV bytes received."""
+    """decode's pdserve_kv_transfer_wire_bytes_total by (transport, compression), and the KV bytes received
+    (pdserve_kv_transfer_received_bytes_total)."""
     import re
 
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
@@ -42,7 +43,7 @@ def wire_bytes(metrics_port: int) -> tuple[dict[tuple[str, str], float], float]:
     for labels, value in re.findall(r"^pdserve_kv_transfer_wire_bytes_total\{(.*)\} (\S+)$", text, re.M):
         label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
         wire[label["transport"], label["compression"]] = float(value)
-    kv = re.search(r"^pdserve_kv_transfer_bytes_total (\S+)$", text, re.M)
+    kv = re.search(r"^pdserve_kv_transfer_received_bytes_total (\S+)$", text, re.M)
     return wire, float(kv.group(1))
 
 

@@ -1,12 +1,16 @@
-"""The paged engine: a block pool for KV, a paged-attention model runner, batched (continuous) steps.
+"""The engines: KV in a block pool or in dense caches, batched steps, one interface for the workers.
 
+* `factory` — `Engine` (the interface prefill and decode call) and `create_engine` (which engine
+  serves a model); start here.
 * `blocks`  — `BlockPool`: KV blocks of all layers, block tables, refcounts, copy-on-write forks,
   prefix cache by hash chain (LRU), `OutOfBlocks`; `KVBlocks` in and out.
 * `model`   — our Llama forward over a ragged batch (`Transformer`, `ModelArgs`, `PagedBatch`),
   attention through `pdserve.kernels.paged_attention`.
 * `runner`  — `PagedRunner`: prefill (chunked, prefix reuse), `step` over a batch, rollback,
   export/import of KV, the same `KVLayout` as `pdserve.runtime.ModelRunner`.
+* `dense`   — `DenseEngine`: one transformers cache per sequence, for models `model` does not implement.
 """
 from pdserve.engine.blocks import BlockPool, OutOfBlocks
+from pdserve.engine.factory import Engine, EngineUnavailable, create_engine
 
-__all__ = ["BlockPool", "OutOfBlocks"]
+__all__ = ["BlockPool", "Engine", "EngineUnavailable", "OutOfBlocks", "create_engine"]

@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout
+# The address scheme is shared: routers compute the same chain to find cached prefixes.
+from pdserve.basetypes import ROOT_HASH, KVLayout, block_hash
+from pdserve.kvtransfer.layout import KVBlocks
 
 
 _FREE_RUN = re.compile(rb"\x01+")
@@ -48,10 +50,6 @@ class OutOfBlocks(RuntimeError):
         super().__init__(f"{what}: needs {needed} free KV block(s), pool has {available}")
         self.needed = needed
         self.available = available
-
-
-# The address scheme is part of the protocol: routers compute the same chain to find cached prefixes.
-from pdserve.kvtransfer.protocol import ROOT_HASH as _ROOT_HASH, block_hash  # noqa: E402
 
 
 @dataclass
@@ -241,7 +239,7 @@ class BlockPool:
         else allocates (which could evict unreferenced ones).
         """
         blocks: list[int] = []
-        h = _ROOT_HASH
+        h = ROOT_HASH
         bs = self.block_size
         for i in range(len(token_ids) // bs):
             h = block_hash(h, token_ids[i * bs : (i + 1) * bs])
@@ -265,7 +263,7 @@ class BlockPool:
         n_full = min(len(token_ids), s.num_tokens) // self.block_size
         bs = self.block_size
         for i in range(len(s.hashes), n_full):
-            parent = s.hashes[-1] if s.hashes else _ROOT_HASH
+            parent = s.hashes[-1] if s.hashes else ROOT_HASH
             h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             s.hashes.append(h)
             b = s.table[i]

@@ -74,27 +74,22 @@ class PagedBatch:
     runs: list[int] | None = None  # per sequence: its first block if its blocks are consecutive, else -1 (a hint)
 
 
-PACK_ROWS_HINT = 16  # the row count oneDNN lays the packed weights out for (flat from 4 to 16 rows here)
+PACK_ROWS_HINT = 16  # the row count oneDNN lays the packed weights out for; its speed is flat from 4 rows to this
 
 
 class Linear(nn.Module):
     """``x @ W.T`` (no bias), with the weight in the layout the CPU's BLAS runs fastest for the row count.
 
     `weight_t` `[in, out]` contiguous is the parameter: one row (batch-1 decode) and more than
-    `PACKED_MAX_ROWS` rows (prefill, big batches) multiply it (`x @ W_t` beat `F.linear` on `[out, in]`
-    by 3-5% per step at batch 1 and ~9% at batch 16). Between them MKL is slow with it, and a
-    speculative step at batch 1 feeds k + 1 = 2-9 rows. All projections of one SmolLM2 step, weights
-    cold (not in cache), thread CPU ms:
-
-        rows                1     2     3     4     6     9
-        x @ W_t            36    59    57    66    62    83
-        F.linear [out, in] 38    44    45    79    85   124
-        oneDNN packed      46    56    52    51    52    56
+    `PACKED_MAX_ROWS` rows (prefill, big batches) multiply it, where `x @ W_t` is faster than
+    `F.linear` on `[out, in]`. Between those sizes MKL is slow with it, and a speculative step at
+    batch 1 feeds k + 1 = 2-9 rows: there `F.linear` on `[out, in]` wins for two and three rows,
+    and oneDNN's packed layout, whose time hardly grows with the rows, for more.
 
     So on the CPU (`Transformer.add_cpu_layouts`) a module may also hold `weight_rows` (`[out, in]`,
-    for `ROW_MAJOR_ROWS`) and `weight_packed` (oneDNN's layout, for up to `PACKED_MAX_ROWS` rows). A
-    whole engine step at 300 tokens of context went from 1.44x / 1.5-1.7x / 2.0x a one-row step at
-    2 / 5 / 9 rows to 1.13-1.23x / 1.45-1.53x / 1.57-1.67x (three runs on a noisy host).
+    for `ROW_MAJOR_ROWS`) and `weight_packed` (oneDNN's layout, for up to `PACKED_MAX_ROWS` rows):
+    extra memory that brings a small step's cost closer to a one-row step's. Decode's
+    `--no-cpu-weight-layouts` leaves them out, which is how to measure what they buy on a given CPU.
     """
 
     ROW_MAJOR_ROWS = (2, 3)

@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from pdserve.basetypes import DEFAULT_BLOCK_SIZE, KVLayout, dtype_name
 from pdserve.engine.blocks import BlockPool, OutOfBlocks
 from pdserve.engine.model import PagedBatch, Transformer
-from pdserve.kvtransfer.layout import KVBlocks, KVLayout, dtype_name
+from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.modelstore import model_fingerprint
-from pdserve.runtime import DEFAULT_BLOCK_SIZE
 
 __all__ = ["PagedRunner", "OutOfBlocks"]
 

@@ -1,5 +1,6 @@
 """`helm install` of charts/pdserve against the real API server, and the operator running under
-the chart's own (least-privilege) RBAC: it must be able to do its whole job with that token.
+the chart's own (least-privilege) RBAC: it must be able to do its whole job with that token,
+including bringing the CRD up to its own version on an upgrade (Helm never upgrades `crds/`).
 
 No kubelet runs, so the chart's pods never start; the operator runs in-process (KopfRunner) with
 the ServiceAccount token the token controller minted for the chart's ServiceAccount.
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from k8swait import wait_for
 
 from pdserve.operator.kube import Kube
@@ -34,12 +37,33 @@ def test_helm_install_upgrade_and_operator_under_chart_rbac(k8s_cluster, k8s_api
         assert r.returncode == 0, r.stderr
         return r.stdout
 
+    # The previous chart version: its CRD lacks a field this one has (kvTransfer.shmSizeLimit).
+    old_chart = tmp_path / "pdserve-old"
+    shutil.copytree(REPO / "charts/pdserve", old_chart)
+    old_crd = yaml.safe_load((old_chart / "crds/inferenceservices.yaml").read_text())
+    kv_props = old_crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "kvTransfer"]["properties"]
+    del kv_props["shmSizeLimit"]
+    (old_chart / "crds/inferenceservices.yaml").write_text(yaml.safe_dump(old_crd))
+    crd_path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferenceservices.pdserve.io"
+
+    def served_kv_fields():
+        crd = kube.request("GET", crd_path)
+        return set(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+                   ["kvTransfer"]["properties"])
+
+    # Helm installs crds/ only where the CRD is absent; where an earlier test made it, put the
+    # previous version's in its place, as a cluster that ran that version would have it.
+    current = kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", None, "inferenceservices.pdserve.io")
+    if current:
+        kube.request("PUT", crd_path, {**old_crd, "metadata": {**old_crd["metadata"],
+                                                                "resourceVersion": current["metadata"]["resourceVersion"]}})
     # Ignore: no operator pod can serve the webhook here (no kubelet); Fail is the chart default.
     values = ["--set", "webhook.failurePolicy=Ignore"]
-    out = run("install", rel, str(REPO / "charts/pdserve"), "-n", ns, "--create-namespace", *values)
+    out = run("install", rel, str(old_chart), "-n", ns, "--create-namespace", *values)
     assert "kubectl get pdis" in out  # NOTES.txt
     try:
-        crd = kube.request("GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferenceservices.pdserve.io")
+        crd = kube.request("GET", crd_path)
         assert crd["spec"]["names"]["shortNames"] == ["pdis"]
         for api, kind, name in [("apps/v1", "Deployment", "pd-pdserve-operator"), ("apps/v1", "Deployment", "pd-pdserve-nats"),
                                 ("v1", "Service", "pd-pdserve-nats"), ("v1", "Service", "pd-pdserve-webhook"),
@@ -55,6 +79,7 @@ def test_helm_install_upgrade_and_operator_under_chart_rbac(k8s_cluster, k8s_api
         run("upgrade", rel, str(REPO / "charts/pdserve"), "-n", ns, *values, "--set", "operator.verbose=true")
         assert kube.get("v1", "Secret", ns, "pd-pdserve-nats-credentials")["data"]["password"] == password
         assert kube.get("v1", "Secret", ns, "pd-pdserve-webhook-tls")["data"]["ca.crt"] == tls["data"]["ca.crt"]
+        assert "shmSizeLimit" not in served_kv_fields(), "Helm leaves crds/ as first installed"
 
         # The operator with the chart ServiceAccount's token, nothing more.
         sa = wait_for(lambda: (kube.get("v1", "ServiceAccount", ns, "pd-pdserve-operator") or {}).get("secrets"),
@@ -69,8 +94,10 @@ def test_helm_install_upgrade_and_operator_under_chart_rbac(k8s_cluster, k8s_api
             "contexts:\n- name: c\n  context:\n    cluster: c\n    user: sa\ncurrent-context: c\n")
         app_ns = "pdserve-helm-app"
         kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": app_ns}})
+        # Written under the old schema: the server prunes the field it does not know.
         kube.create({"apiVersion": API, "kind": "InferenceService", "metadata": {"name": "qwen", "namespace": app_ns},
-                     "spec": {"model": {"path": "qwen", "pvc": "models"}}})
+                     "spec": {"model": {"path": "qwen", "pvc": "models"}, "kvTransfer": {"shmSizeLimit": "1Gi"}}})
+        assert "shmSizeLimit" not in kube.get(API, "InferenceService", app_ns, "qwen")["spec"].get("kvTransfer", {})
         from kopf.testing import KopfRunner
 
         saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "PDSERVE_NATS_SECRET", "PDSERVE_NATS_SECRET_NAMESPACE",
@@ -91,6 +118,12 @@ def test_helm_install_upgrade_and_operator_under_chart_rbac(k8s_cluster, k8s_api
                 assert copied["data"]["password"] == password
                 wait_for(lambda: (kube.get(API, "InferenceService", app_ns, "qwen").get("status") or {}).get("endpoint"),
                          "status written under chart RBAC")
+                # The operator brought its CRD: the new field now reaches the server and stays.
+                assert "shmSizeLimit" in served_kv_fields()
+                kube.merge_patch(API, "InferenceService", app_ns, "qwen", {"spec": {"kvTransfer": {"shmSizeLimit": "1Gi"}}})
+                assert kube.get(API, "InferenceService", app_ns, "qwen")["spec"]["kvTransfer"]["shmSizeLimit"] == "1Gi"
+                crd = kube.request("GET", crd_path)
+                assert any(f["manager"] == "pdserve-operator" for f in crd["metadata"]["managedFields"])
             assert runner.exception is None
             # No secret in the operator's log.
             assert base64.b64decode(password).decode() not in runner.output

