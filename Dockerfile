@@ -45,8 +45,9 @@ RUN groupadd --gid 10001 pdserve \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pdserve \
  && mkdir -p /models && chown 10001:10001 /models
 
-# The operator installs only the project's requirements for the distributions named in
-# [tool.pdserve] operator-image (kopf and the Kubernetes client): no torch, no CUDA stack.
+# The operator installs only the project's requirements (its dependencies and its `k8s` extra, where
+# an extra holds them) for the distributions named in [tool.pdserve] operator-image (kopf and the
+# Kubernetes client): no torch, no CUDA stack.
 FROM runtime AS operator
 ARG PIP_CONSTRAINT
 ARG PIP_FIND_LINKS
@@ -55,7 +56,7 @@ ARG PIP_CERT
 # copied from the build context, which layer caches key by content
 COPY pyproject.toml /tmp/pyproject.toml
 RUN python -m venv /opt/pdserve \
- && python -c 'import re, tomllib; p = tomllib.load(open("/tmp/pyproject.toml", "rb")); keep = set(p["tool"]["pdserve"]["operator-image"]); print("\n".join(d for d in p["project"]["dependencies"] if re.split(r"[<>=!~ \[;]", d)[0] in keep))' > /tmp/requirements.txt \
+ && python -c 'import re, tomllib; p = tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]; keep = set(tomllib.load(open("/tmp/pyproject.toml", "rb"))["tool"]["pdserve"]["operator-image"]); print("\n".join(d for d in p["dependencies"] + p.get("optional-dependencies", {}).get("k8s", []) if re.split(r"[<>=!~ \[;]", d)[0] in keep))' > /tmp/requirements.txt \
  && PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 /opt/pdserve/bin/pip install -r /tmp/requirements.txt \
  && rm /tmp/pyproject.toml /tmp/requirements.txt
 COPY --from=wheel /wheels /wheels
@@ -74,8 +75,9 @@ ARG PIP_EXTRA_INDEX_URL
 ARG PIP_CERT
 COPY pyproject.toml /tmp/pyproject.toml
 # PyPI's Linux torch wheel carries CUDA; the GPU comes from the node's driver (NVIDIA device plugin).
+# The `k8s` extra too, where pyproject.toml has one: the metrics adapter runs from this image.
 RUN python -m venv /opt/pdserve \
- && python -c 'import tomllib; print("\n".join(tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/requirements.txt \
+ && python -c 'import tomllib; p = tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p.get("optional-dependencies", {}).get("k8s", [])))' > /tmp/requirements.txt \
  && PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 /opt/pdserve/bin/pip install -r /tmp/requirements.txt \
  && rm /tmp/pyproject.toml /tmp/requirements.txt
 COPY --from=wheel /wheels /wheels

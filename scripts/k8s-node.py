@@ -62,7 +62,9 @@ KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "k
                    "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
 NODE_PACKAGES = {"containerd": "containerd", "runc": "runc", "ctr": "containerd", "iptables": "iptables",
                  "conntrack": "conntrack", "dnsmasq": "dnsmasq-base", "nsenter": "util-linux",
-                 "/usr/lib/cni/bridge": "containernetworking-plugins"}
+                 "/usr/lib/cni/bridge": "containernetworking-plugins",
+                 # the images' offline build (scripts/k8s-images.py)
+                 "buildah": "buildah", "debootstrap": "debootstrap", "gcc": "gcc"}
 
 
 def _load(name: str, file: str):
@@ -81,8 +83,9 @@ NetnsRelay = netns_mod.NetnsRelay
 
 
 def missing_node_parts() -> list[str]:
-    """What this machine lacks to run the node (binaries, or the Debian packages that hold them)."""
-    out = [b for b in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy")
+    """What this machine lacks to run the node (binaries, the Debian packages that hold them, root)."""
+    out = [] if os.geteuid() == 0 else ["root (the node creates network namespaces, mounts and cgroups)"]
+    out += [b for b in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy")
            if cluster_mod.find_binary(b) is None]
     for binary, package in NODE_PACKAGES.items():
         if not (Path(binary).exists() if binary.startswith("/") else shutil.which(binary)):

@@ -19,6 +19,11 @@ def _pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
+def _image_requirements(p: dict) -> list[str]:
+    """What the Dockerfile installs: the dependencies and the `k8s` extra, where there is one."""
+    return p["project"]["dependencies"] + p["project"].get("optional-dependencies", {}).get("k8s", [])
+
+
 def _name(requirement: str) -> str:
     return re.split(r"[<>=!~ \[;]", requirement)[0].lower()
 
@@ -33,7 +38,7 @@ def test_the_sources_stage_copies_every_package_folder():
 
 def test_operator_image_dependencies_are_the_projects_and_cover_its_imports():
     p = _pyproject()
-    names = {_name(d) for d in p["project"]["dependencies"]}
+    names = {_name(d) for d in _image_requirements(p)}
     operator = set(p["tool"]["pdserve"]["operator-image"])
     assert operator <= names
     assert not operator & set(HEAVY)

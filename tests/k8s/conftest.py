@@ -81,7 +81,8 @@ def k8s_node():
     node = script_module("k8s-node.py")
     missing = node.missing_node_parts()
     if missing:
-        pytest.skip(f"node parts absent ({', '.join(missing)}); run scripts/setup.sh")
+        pytest.skip(f"node parts absent ({', '.join(missing)}); run scripts/k8s-tools.sh "
+                    "(make test runs it through scripts/setup.sh)")
     if os.environ.get("PDSERVE_K8S_NODE"):
         cluster = node.NodeCluster.attach(os.environ["PDSERVE_K8S_NODE"])
     else:
