@@ -20,7 +20,8 @@ Fixtures (all session-scoped unless noted):
 
 - `k8s_node` -> `NodeCluster` (scripts/k8s-node.py): a second, separate cluster with a real node
   (kubelet, containerd, kube-proxy, cluster DNS) in a network namespace of its own, with the
-  images of scripts/k8s-images.py imported (`k8s_node.images[name].ref`). Its `kubeconfig` points
+  images of scripts/k8s-images.py imported (`k8s_node.images[name].ref`; built, when a selected
+  test needs the node, right after collection, before any test's timeout runs). Its `kubeconfig` points
   at a loopback relay; `k8s_node.forward(ip, port)` gives a loopback port for a Service or pod as
   seen from the node. It does not touch `KUBECONFIG`: pass `k8s_node.kubeconfig` explicitly.
   The control-plane-only tests keep `k8s_cluster`: they stand in for a kubelet (status patches)
@@ -41,6 +42,9 @@ import pytest
 from nodehelpers import script_module
 
 k8s_cluster_module = script_module("k8s-cluster.py")
+# The node's images, built once collection is final (so outside every test's timeout: a cold build
+# takes many minutes) when a selected test uses the node: name -> Image, or the build's error.
+_node_images: dict = {}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,6 +52,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.k8s)
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or os.environ.get("PDSERVE_K8S_NODE"):
+        return
+    if any("k8s_node" in getattr(i, "fixturenames", ()) for i in session.items):
+        node = script_module("k8s-node.py")
+        if not node.missing_node_parts():
+            try:
+                _node_images["images"] = node.images_mod.build_images()
+            except Exception as e:  # the k8s_node fixture raises it: an error in the tests that need it
+                _node_images["error"] = e
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +102,10 @@ def k8s_node():
     if os.environ.get("PDSERVE_K8S_NODE"):
         cluster = node.NodeCluster.attach(os.environ["PDSERVE_K8S_NODE"])
     else:
-        cluster = node.NodeCluster(controller_args=["--horizontal-pod-autoscaler-sync-period=5s"])
+        if "error" in _node_images:
+            raise _node_images["error"]
+        cluster = node.NodeCluster(images=_node_images.get("images") or {},
+                                   controller_args=["--horizontal-pod-autoscaler-sync-period=5s"])
         cluster.start()
     try:
         yield cluster

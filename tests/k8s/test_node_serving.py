@@ -250,7 +250,8 @@ def test_helm_upgrade_rolls_the_workers_under_load_without_a_failed_request(k8s_
 
 
 def test_deleting_the_service_then_uninstalling_leaves_only_what_helm_keeps(tools, isvc):
-    """Helm keeps what its chart's crds/ installed (the CRD) and the namespace `--create-namespace`
+    """Helm keeps what its chart's crds/ installed (the CRD), what carries `helm.sh/resource-policy:
+    keep` (the NATS credentials, which workers may still hold) and the namespace `--create-namespace`
     made; everything else of ours goes: children by owner reference, the release by Helm."""
     name, _ = isvc
     tools.kubectl("delete", "pdis", name, "-n", APP_NS, "--wait=true", "--timeout=120s")
@@ -271,11 +272,15 @@ def test_deleting_the_service_then_uninstalling_leaves_only_what_helm_keeps(tool
                     or labels.get("app.kubernetes.io/instance") in (RELEASE, name)
                     or meta["name"] == name or meta["name"].startswith(("pd-pdserve", f"{name}-"))):
                 left.append((item["kind"], meta.get("namespace"), meta["name"]))
-        return left
+        return sorted(left, key=str)
     # The token controller removes the operator ServiceAccount's token Secret after the account.
-    expected = [("CustomResourceDefinition", None, "inferenceservices.pdserve.io")]
+    credentials = f"{RELEASE}-pdserve-nats-credentials"
+    expected = [("CustomResourceDefinition", None, "inferenceservices.pdserve.io"),
+                ("Secret", SYSTEM_NS, credentials)]
     try:
-        wait_for(lambda: ours_left() == expected, "only the CRD left", 120)
+        wait_for(lambda: ours_left() == expected, "only what Helm keeps left", 120)
     except AssertionError:
         assert ours_left() == expected
+    secret = tools.get("secret", credentials, "-n", SYSTEM_NS)
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert tools.get("namespace", SYSTEM_NS)["status"]["phase"] == "Active"
