@@ -1,6 +1,6 @@
 """The metrics adapter: serves `custom.metrics.k8s.io` and `external.metrics.k8s.io` (v1beta1) from worker LoadReports.
 
-It subscribes (authenticated) to `Subjects.LOAD_ALL` and `Subjects.BYE_ALL` on NATS, keeps the
+It subscribes (authenticated) to `Subjects.LOAD_ANY` and `Subjects.BYE_ANY` on NATS, keeps the
 latest report of each pod, drops a report `stale_after_s` seconds after it was *received* (the
 adapter's own monotonic clock, so worker clock skew cannot keep a dead pod alive) and drops a pod
 at once on its `bye`. The kube-apiserver calls it as an aggregated API (an APIService per group)
@@ -42,7 +42,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects
+from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects, scope_token
 from pdserve.natsserver import NatsCredentials
 from pdserve.operator.reconcile import selector_labels
 
@@ -207,6 +207,14 @@ def _rfc3339(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _from_own_scope(r: LoadReport, subject: str) -> bool:
+    """Whether a report came on its own scope's subject, and (for a pod of an InferenceService) that
+    scope is the InferenceService's own ("namespace.name", as the operator leaves it)."""
+    if Subjects.scope_of(subject) != scope_token(r.scope):
+        return False
+    return r.isvc is None or r.scope == f"{r.namespace or 'default'}.{r.isvc}"
+
+
 class MetricsAdapter:
     """The adapter: a ReportStore fed from NATS and an aiohttp app serving the two metrics APIs."""
 
@@ -228,13 +236,22 @@ class MetricsAdapter:
         self.port: int | None = None
 
     # NATS ------------------------------------------------------------------------------------------
-    def on_report(self, data: bytes, bye: bool = False) -> None:
-        """Handle one LoadReport payload; a malformed one is counted and logged, never raised."""
+    def on_report(self, data: bytes, bye: bool = False, subject: str | None = None) -> None:
+        """Handle one LoadReport payload (from `subject`); a malformed one is counted and logged, never raised.
+
+        A report must come from its own deployment's subjects: NATS lets a deployment's credentials
+        publish only there, so a worker cannot speak for another InferenceService's pods (and move its
+        autoscaler) by naming them in its report."""
         try:
             r = LoadReport.decode(data)
         except ProtocolError as e:
             self.reports_total.labels("malformed").inc()
             log.warning("ignoring a malformed LoadReport: %s", str(e)[:300])
+            return
+        if subject is not None and not _from_own_scope(r, subject):
+            self.reports_total.labels("foreign").inc()
+            log.warning("ignoring a LoadReport of %s/%s (scope %r) sent on %s", r.namespace, r.isvc, r.scope,
+                        subject[:200])
             return
         if bye:
             self.store.remove(r)
@@ -249,18 +266,16 @@ class MetricsAdapter:
         return int(self.reports_total.labels("malformed")._value.get())
 
     async def connect_nats(self, creds: NatsCredentials) -> None:
-        import nats
-
-        self._nc = await nats.connect(**creds.connect_kwargs(), name="pdserve-metrics-adapter", max_reconnect_attempts=-1)
+        self._nc = await creds.connect(name="pdserve-metrics-adapter", max_reconnect_attempts=-1)
 
         async def on_load(msg):
-            self.on_report(msg.data)
+            self.on_report(msg.data, subject=msg.subject)
 
         async def on_bye(msg):
-            self.on_report(msg.data, bye=True)
+            self.on_report(msg.data, bye=True, subject=msg.subject)
 
-        await self._nc.subscribe(Subjects.LOAD_ALL, cb=on_load)
-        await self._nc.subscribe(Subjects.BYE_ALL, cb=on_bye)
+        await self._nc.subscribe(Subjects.LOAD_ANY, cb=on_load)
+        await self._nc.subscribe(Subjects.BYE_ANY, cb=on_bye)
         await self._nc.flush(timeout=5)
 
     # HTTP ------------------------------------------------------------------------------------------

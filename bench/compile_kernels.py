@@ -24,7 +24,8 @@ from pdserve.kernels import kv_quant, paged_attention, spec_verify  # noqa: E402
 
 VERIFY_SIG = {
     "logits_ptr": "*fp32", "draft_ids_ptr": "*i64", "num_draft_ptr": "*i32", "draft_probs_ptr": "*fp32",
-    "temp_ptr": "*fp32", "top_k_ptr": "*i32", "top_p_ptr": "*fp32", "uniform_ptr": "*fp32", "noise_ptr": "*fp32",
+    "temp_ptr": "*fp32", "log_min_p_ptr": "*fp32", "top_k_ptr": "*i32", "top_p_ptr": "*fp32",
+    "uniform_ptr": "*fp32", "noise_ptr": "*fp32",
     "out_ptr": "*i64", "num_accepted_ptr": "*i32", "K": "i32", "V": "i32",
     "HAS_DRAFT_PROBS": "constexpr", "PER_POSITION_NOISE": "constexpr", "COUPLED": "constexpr",
     "BLOCK_V": "constexpr", "BLOCK_K": "constexpr",

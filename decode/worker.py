@@ -9,6 +9,16 @@ verification call then accepts a prefix per sequence and the rejected KV is roll
 the KV pool runs out, the most recently admitted sequence is preempted and later recomputed.
 Once an offer is accepted this worker owns the request: if its KV never arrives intact, the
 failure policy decides — recompute the prompt here, or fail the request with the reason.
+
+A request with n > 1 choices arrives once, without a first token: its prompt's KV is imported
+once, cut back by its last token, and forked (copy-on-write blocks) into n sequences, whose first
+step feeds that last token again — the choices share the prompt's KV instead of recomputing it.
+Options whose distributions depend on the tokens before (penalties, min_tokens, JSON) are applied
+per sequence and, in a speculative step, per verified position with the drafts before it
+counted (`pdserve.processors`), so drafts are verified against what plain decoding samples from.
+
+(Longer than our ~600-line norm: admission, choice forking, the speculative step and streaming all
+act on the one running batch between two steps; split apart, each piece would need the others' state.)
 """
 from __future__ import annotations
 
@@ -25,16 +35,18 @@ from prometheus_client import Counter, Gauge, Histogram
 from pdserve.basetypes import LayoutMismatch
 from pdserve.config import DecodeConfig
 from pdserve.decode.drafters import make_drafter
-from pdserve.decode.speculation import SpanTracker, SpeculationController
+from pdserve.decode.speculation import LatencyModel, SpanTracker, SpeculationController
 from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
 from pdserve.kernels.spec_verify import verify, verify_greedy
 from pdserve.kvtransfer.channel import KVReceiveChannel
 from pdserve.kvtransfer.frames import TransferError
+from pdserve.jsonmask import JsonVocab
 from pdserve.kvtransfer.protocol import (
     Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
 )
 from pdserve.kvtransfer.tcp_server import KVReceiver
-from pdserve.sampling import TextStream, verification_randomness
+from pdserve.processors import SequenceProcessor, make_processor, token_logprobs
+from pdserve.sampling import TextStream, choice_seed, verification_randomness
 from pdserve.workerbase import WorkerBase, run_worker
 
 log = logging.getLogger("pdserve.decode")
@@ -44,11 +56,27 @@ _ADMISSIONS = itertools.count()
 
 
 @dataclass
+class EventSeq:
+    """The next StreamEvent sequence number of a request: one counter for all its choices."""
+
+    next: int
+
+    def take(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+
+@dataclass
 class Sequence:
+    """One choice of a request being decoded (n = 1: the request itself)."""
+
     offer: HandoffOffer
     stream: TextStream
-    seq: int  # next StreamEvent sequence number
+    events: EventSeq
     generated: list[int] = field(default_factory=list)
+    index: int = 0  # the choice
+    seed: int = 0  # this choice's sampling seed (`sampling.choice_seed`)
+    processor: SequenceProcessor | None = None  # history-dependent logits processing, when the request needs any
     last_token_at: float = field(default_factory=time.monotonic)
     max_k: int = 0  # this request's speculation bound (0 = off)
     span: SpanTracker = field(default_factory=SpanTracker)
@@ -66,6 +94,16 @@ class Sequence:
     def request_id(self) -> str:
         return self.offer.request_id
 
+    @property
+    def key(self) -> str:
+        """The sequence's id in the engine, the running set, the drafter and the controller."""
+        return self.request_id if self.offer.sampling.n == 1 else f"{self.request_id}#{self.index}"
+
+    @property
+    def last_token(self) -> int:
+        """What the next step feeds first: the last generated token (the prompt's last before any)."""
+        return self.generated[-1] if self.generated else self.offer.prompt_token_ids[-1]
+
 
 def next_batch(running: "OrderedDict[str, Sequence]", max_batch: int) -> list[Sequence]:
     """The sequences of the next step: the first `max_batch` in turn order, which then go to the back.
@@ -75,7 +113,7 @@ def next_batch(running: "OrderedDict[str, Sequence]", max_batch: int) -> list[Se
     """
     batch = list(running.values())[:max_batch]
     for s in batch:
-        running.move_to_end(s.request_id)
+        running.move_to_end(s.key)
     return batch
 
 
@@ -112,7 +150,15 @@ class DecodeWorker(WorkerBase):
         self.preempted: deque[Sequence] = deque()
         self.spec_k_policy = args.spec.k_policy
         self.drafter = self._make_drafter(args)
-        self.controller = SpeculationController(method=args.spec.method)
+        self.step_profile = None
+        if self.spec_max_k and args.spec.calibrate:  # measured once per model, device and dtype, then cached
+            from pdserve.engine.calibrate import calibrated
+
+            self.step_profile = calibrated(self.engine, max_k=self.spec_max_k)
+            if hasattr(model := getattr(self.engine, "model", None), "release_unplanned_layouts"):
+                model.release_unplanned_layouts()
+        self.controller = SpeculationController(method=args.spec.method, latency=LatencyModel(
+            step_costs=self.step_profile.cost if self.step_profile else None))
         # The fused Triton verifier on GPUs; the torch reference (same function) on the CPU.
         self.verify_impl = "triton" if self.runner.device.type == "cuda" else "reference"
         r = self.registry
@@ -132,6 +178,8 @@ class DecodeWorker(WorkerBase):
                                    registry=r)
         self.m_recompute = Counter("pdserve_kv_recompute_total", "handoffs whose KV was lost and recomputed", registry=r)
         self.m_handoffs = Counter("pdserve_decode_handoffs_total", "handoff offers", ["outcome"], registry=r)
+        self.m_forks = Counter("pdserve_decode_choice_forks_total", "choices (n > 1) started from a request's "
+                               "shared prompt KV", registry=r)
         self.steps = 0
         self.m_wait_steps = Histogram("pdserve_decode_wait_steps", "steps a running sequence sat out between two "
                                       "of its turns (round robin: at most ceil(running / max_batch) - 1)",
@@ -143,6 +191,8 @@ class DecodeWorker(WorkerBase):
                                        registry=r)
         self.m_spec_rate = Histogram("pdserve_spec_acceptance_rate", "accepted/proposed per verified step",
                                      registry=r, buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
+        if hasattr(self.drafter, "stats") and hasattr(self.drafter.stats, "collect"):
+            r.register(self.drafter.stats)  # the draft pool's asks, round trips and acceptance by drafter
         self.m_spec_k = Histogram("pdserve_spec_chosen_k", "speculation length chosen per step", registry=r,
                                   buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
 
@@ -154,7 +204,19 @@ class DecodeWorker(WorkerBase):
             # the event loop, which must keep heartbeats and token streams flowing meanwhile
             return make_drafter("draft", path=str(resolve_model(args.spec.draft_model)),
                                 target_tokenizer=self.runner.tokenizer, run_in_thread=True)
+        if args.spec.draft_pool:  # DecodeConfig makes sure the method is ngram
+            from pdserve.decode.pool_drafter import PoolDrafter
+
+            # the pool may take at most a quarter of a plain step: a slow pool costs little, a dead one nothing
+            return PoolDrafter(make_drafter("ngram"), tenant_of=self._tenant, timeout_s=args.spec.draft_pool_timeout,
+                               budget_s=lambda: 0.25 * self.controller.latency.verify_seconds(1, 0))
         return make_drafter(args.spec.method)
+
+    def _tenant(self, key: str) -> str:
+        """Whose text may draft for the sequence `key` (draft pool): its scope and the tenant its request names."""
+        s = self.running.get(key)
+        tenant = ((s.offer.spec or {}).get("tenant") if s else None) or "default"
+        return f"{self.scope}/{tenant}"
 
     def data_addr(self) -> str | None:
         return self.receiver.address if self.receiver.port else None
@@ -174,11 +236,13 @@ class DecodeWorker(WorkerBase):
 
     async def on_start(self) -> None:
         await self.receiver.start()
-        self.kv_channel = KVReceiveChannel(self.receiver, self.nc, worker_id=self.worker_id,
+        self.kv_channel = KVReceiveChannel(self.receiver, self.nc, scope=self.scope, worker_id=self.worker_id,
                                            stall_timeout=self.transfer_timeout,
                                            compressions=dict.fromkeys(("none", self.args.kv.compression)))
         await self.nc.subscribe(Subjects.decode_handoff(self.scope, self.worker_id), cb=self._on_offer)
-        await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
+        await self.nc.subscribe(Subjects.cancel_all(self.scope), cb=self._on_cancel)
+        if hasattr(self.drafter, "attach"):
+            self.drafter.attach(self.nc, self.scope, self.model_name)
         self.spawn(self._decode_loop())
 
     async def on_stop(self) -> None:
@@ -200,7 +264,7 @@ class DecodeWorker(WorkerBase):
         except ProtocolError as e:
             await msg.respond(refuse(str(e)).encode())
             return
-        if len(self.running) + self.receiving >= self.max_running:
+        if len(self.running) + self.receiving + offer.sampling.n - 1 >= self.max_running:
             await msg.respond(refuse(f"at capacity ({self.max_running} sequences)").encode())
             return
         if self.preempted or not self.engine.can_admit(offer.num_tokens + self.receiving_tokens):
@@ -239,7 +303,7 @@ class DecodeWorker(WorkerBase):
             elif ev.kind in ("done", "error"):
                 fut.set_result(None)
 
-        sub = await self.nc.subscribe(Subjects.stream(offer.request_id), cb=on_event)
+        sub = await self.nc.subscribe(Subjects.stream(self.scope, offer.request_id), cb=on_event)
         return fut, sub
 
     async def _first_token(self, offer: HandoffOffer, first) -> bool:
@@ -261,62 +325,101 @@ class DecodeWorker(WorkerBase):
 
     async def _receive(self, offer: HandoffOffer, token: str, accepted_at: float, first=None) -> None:
         rid = offer.request_id
-        seq = None
+        seqs: list[Sequence] = []
         try:
             try:
                 kv, stats = await self.kv_channel.wait(token, self.transfer_timeout)
                 self.m_kv_bytes.inc(stats["bytes"])  # received, whether or not there is anything to continue
                 self.m_kv_wire.labels(stats["transport"], stats["compression"]).inc(stats["wire_bytes"])
-                if (seq := await self._continuation(offer, first)) is None:
+                if not (seqs := await self._continuation(offer, first)):
                     return
-                await self.compute(self.engine.import_kv, rid, kv, offer.prompt_token_ids)
+                await self.compute(self._admit, offer, seqs, kv)
                 del kv
                 # handoff time as decode sees it: offer accepted -> KV in place, ready to decode
-                await self._emit(seq, kind="handoff", kv_bytes=stats["bytes"],
+                await self._emit(seqs[0], kind="handoff", kv_bytes=stats["bytes"],
                                  kv_seconds=time.monotonic() - accepted_at)
             except TransferError as e:
-                if (seq := await self._continuation(offer, first)) is None:
+                if not (seqs := await self._continuation(offer, first)):
                     return
                 if offer.failure_policy != "recompute":
-                    await self._emit(seq, kind="error", error=f"KV handoff failed: {e}", error_type="kv_transfer_error",
-                                     status=502)
+                    await self._emit(seqs[0], kind="error", error=f"KV handoff failed: {e}",
+                                     error_type="kv_transfer_error", status=502)
                     return
                 log.warning("KV for %s lost (%s); recomputing the prompt here", rid, e)
                 self.m_recompute.inc()
-                await self._emit(seq, kind="handoff", kv_bytes=0, kv_seconds=0.0)
-                await self.compute(self.engine.prefill, rid, offer.prompt_token_ids)
+                await self._emit(seqs[0], kind="handoff", kv_bytes=0, kv_seconds=0.0)
+                await self.compute(self._admit, offer, seqs, None)
             except Exception as e:  # e.g. the pool filled up while the KV was in flight
                 log.exception("admitting %s failed", rid)
-                if rid in self.engine:
-                    self.engine.free(rid)
-                await self._emit(seq or self._sequence(offer), kind="error", error=f"decode could not admit the request: {e}",
-                                 error_type="unavailable", status=503)
+                for key in {rid, *(s.key for s in seqs)}:
+                    if key in self.engine:
+                        self.engine.free(key)
+                await self._publish(rid, seqs[0].events.take() if seqs else offer.next_seq, kind="error",
+                                    error=f"decode could not admit the request: {e}", error_type="unavailable",
+                                    status=503)
                 return
         finally:
             self.receiving -= 1
             self.receiving_tokens -= offer.num_tokens
         if rid in self._cancelled:
             self._cancelled.discard(rid)
-            self.engine.free(rid)
+            for s in seqs:
+                self.engine.free(s.key)
             return
-        self.running[rid] = seq
+        for s in seqs:
+            self.running[s.key] = s
         self.m_running.set(len(self.running))
         self._wake.set()
 
-    async def _continuation(self, offer: HandoffOffer, first) -> Sequence | None:
-        """The sequence decode continues, or None when there is nothing to continue: a layer-streamed
-        offer whose first token never came (`_first_token`), or a first token that already ended the
-        request (a stop: prefill reported "done")."""
+    async def _continuation(self, offer: HandoffOffer, first) -> list[Sequence]:
+        """The sequences decode continues (one per choice), or none when there is nothing to continue:
+        a layer-streamed offer whose first token never came (`_first_token`), or a first token that
+        already ended the request (a stop: prefill reported "done")."""
         if first is not None and not await self._first_token(offer, first):
-            return None
-        seq = self._sequence(offer)
-        return None if seq.stream.done else seq
+            return []
+        if offer.sampling.response_format == "json_object":  # built once per worker, off the event loop
+            await asyncio.to_thread(JsonVocab.of, self.runner.tokenizer, self.runner.eos_token_ids)
+        seqs = self._sequences(offer)
+        return [] if all(s.stream.done for s in seqs) else seqs
 
-    def _sequence(self, offer: HandoffOffer) -> Sequence:
-        stream = TextStream(self.runner.tokenizer, offer.sampling, self.runner.eos_token_ids,
-                            generated=offer.generated_token_ids)
-        return Sequence(offer, stream, offer.next_seq, list(offer.generated_token_ids),
-                        max_k=self._request_max_k(offer))
+    def _sequences(self, offer: HandoffOffer) -> list[Sequence]:
+        events, params, tok = EventSeq(offer.next_seq), offer.sampling, self.runner.tokenizer
+        out = []
+        for i in range(params.n):
+            generated = list(offer.generated_token_ids)  # the first token with n = 1; none with n > 1
+            stream = TextStream(tok, params, self.runner.eos_token_ids, generated=generated)
+            proc = make_processor(params, offer.prompt_token_ids, generated, self.runner.vocab_size, tok,
+                                  self.runner.eos_token_ids)
+            out.append(Sequence(offer, stream, events, generated, index=i, seed=choice_seed(offer.seed, i),
+                                processor=proc, max_k=self._request_max_k(offer)))
+        return out
+
+    def _admit(self, offer: HandoffOffer, seqs: list[Sequence], kv) -> None:
+        """Put a request's prompt KV in the engine (compute thread): the received `kv`, or recomputed when
+        None. With n > 1 each choice forks it, less the prompt's last token, which its first step feeds."""
+        rid = offer.request_id
+        if kv is None:
+            self.engine.prefill(rid, offer.prompt_token_ids)
+        else:
+            self.engine.import_kv(rid, kv, offer.prompt_token_ids)
+        if offer.sampling.n == 1:
+            return
+        try:
+            self.engine.rollback(rid, len(offer.prompt_token_ids) - 1)
+            fork = getattr(self.engine, "fork", None)
+            for s in seqs:
+                if fork is not None:  # copy-on-write: the blocks are shared
+                    fork(rid, s.key)
+                else:  # an engine without forks holds a copy per choice
+                    self.engine.import_kv(s.key, self.engine.export_kv(rid))
+                self.m_forks.inc()
+        except BaseException:
+            for s in seqs:
+                if s.key in self.engine:
+                    self.engine.free(s.key)
+            raise
+        finally:
+            self.engine.free(rid)
 
     def _request_max_k(self, offer: HandoffOffer) -> int:
         spec = offer.spec or {}
@@ -329,35 +432,38 @@ class DecodeWorker(WorkerBase):
             rid = Cancel.decode(msg.data).request_id
         except ProtocolError:
             return
-        s = self.running.pop(rid, None)
-        if s is not None and rid in self._stepping:
-            return  # the step in flight uses its KV; the loop releases it when the step ends
-        if s is None:
-            s = next((p for p in self.preempted if p.request_id == rid), None)
-            if s is not None:
-                self.preempted.remove(s)
-        if s is not None:
-            self._release(s)  # its blocks are free at once
-        else:
+        found = False
+        for s in [s for s in self.running.values() if s.request_id == rid]:
+            found = True
+            del self.running[s.key]
+            if s.key not in self._stepping:  # else the step in flight uses its KV; the loop releases it after
+                self._release(s)  # its blocks are free at once
+        for s in [p for p in self.preempted if p.request_id == rid]:
+            found = True
+            self.preempted.remove(s)
+            self._release(s)
+        if not found:
             self._cancelled.add(rid)
 
     def _release(self, s: Sequence) -> None:
-        self.drafter.release(s.request_id)
-        self.controller.release(s.request_id)
-        self.engine.free(s.request_id)
+        self.drafter.release(s.key)
+        self.controller.release(s.key)
+        if s.key in self.engine:  # a preempted sequence gave its blocks back already
+            self.engine.free(s.key)
         self.m_running.set(len(self.running))
 
+    async def _publish(self, request_id: str, seq: int, **fields) -> None:
+        await self.nc.publish(Subjects.stream(self.scope, request_id),
+                              StreamEvent(request_id=request_id, seq=seq, worker_id=self.worker_id, **fields).encode())
+
     async def _emit(self, s: Sequence, **fields) -> None:
-        await self.nc.publish(Subjects.stream(s.request_id),
-                              StreamEvent(request_id=s.request_id, seq=s.seq, worker_id=self.worker_id,
-                                          **fields).encode())
-        s.seq += 1
+        await self._publish(s.request_id, s.events.take(), index=s.index, **fields)
 
     # -- the decode loop -------------------------------------------------------------------
 
     async def _plan(self, s: Sequence):
         """Choose this step's k for `s` and draft that many tokens; None for a plain step."""
-        rid = s.request_id
+        rid = s.key
         room = min(s.offer.sampling.max_tokens - len(s.generated) - 1,
                    self.runner.max_context - len(s.offer.prompt_token_ids) - len(s.generated) - 1)
         if not s.max_k or room <= 0:
@@ -392,20 +498,23 @@ class DecodeWorker(WorkerBase):
         self.controller.observe_draft(k, time.perf_counter() - t0)
         return draft if draft.token_ids else None
 
-    def _forward_and_verify(self, batch: list[Sequence], drafts: list) -> list[list[int]]:
+    def _forward_and_verify(self, batch: list[Sequence], drafts: list) -> list[tuple[list[int], list[dict] | None]]:
         """One forward over the whole batch, verification, rollback (compute thread).
 
         Sequence i feeds its last token plus its k_i draft tokens; row i accepts a prefix of the
         drafts and adds the correction or bonus token (k_i = 0: a plain sampled or greedy token,
-        the same draw plain sampling makes). Greedy rows are verified right here by argmax and
-        compare — exactly the verifier's greedy rule (first index on ties), without building its
-        [B, K+1, V] tensors; sampled rows go through one fused verification call. Returns the
-        committed tokens per sequence.
+        the same draw plain sampling makes). A sequence with history-dependent options has its
+        rows processed first, row j as if drafts[:j] were generated. Greedy rows are verified
+        right here by argmax and compare — exactly the verifier's greedy rule (first index on
+        ties), without building its [B, K+1, V] tensors; sampled rows go through one fused
+        verification call. Returns per sequence the committed tokens and, when asked for, their
+        raw logprobs (`processors.token_logprobs`).
         """
-        rids = [s.request_id for s in batch]
-        kept = [self.engine.num_tokens(r) for r in rids]
+        keys = [s.key for s in batch]
+        kept = [self.engine.num_tokens(k) for k in keys]
         draft_ids = [d.token_ids if d else [] for d in drafts]
-        logits = self.engine.step([(r, [s.generated[-1], *ids]) for r, s, ids in zip(rids, batch, draft_ids)])
+        raw = self.engine.step([(k, [s.last_token, *ids]) for k, s, ids in zip(keys, batch, draft_ids)])
+        logits = [s.processor.process(x, ids) if s.processor else x for s, x, ids in zip(batch, raw, draft_ids)]
         committed: list[list[int]] = [[] for _ in batch]
         sampled = []
         for i, s in enumerate(batch):
@@ -418,10 +527,12 @@ class DecodeWorker(WorkerBase):
                                                                [drafts[i] for i in sampled],
                                                                [logits[i] for i in sampled])):
                 committed[i] = tokens
-        for i, r in enumerate(rids):
+        for i, k in enumerate(keys):
             # keep the fed token and the accepted drafts; drop the rest
-            self.engine.rollback(r, kept[i] + len(committed[i]))
-        return committed
+            self.engine.rollback(k, kept[i] + len(committed[i]))
+        return [(tokens, token_logprobs(x, tokens, s.offer.sampling.logprobs)
+                 if s.offer.sampling.logprobs is not None else None)
+                for s, x, tokens in zip(batch, raw, committed)]
 
     def _verify_sampled(self, batch: list[Sequence], drafts: list, logits: list[torch.Tensor]) -> list[list[int]]:
         """The fused verification call for sampled rows: logits[i] is [k_i + 1, V]."""
@@ -440,32 +551,33 @@ class DecodeWorker(WorkerBase):
                 ids[i, :k] = torch.tensor(draft_ids[i])
                 if probs is not None and d.probs is not None:
                     probs[i, :k] = d.probs
-            ui, ni = verification_randomness(s.offer.seed, len(s.generated), k, V)
+            ui, ni = verification_randomness(s.seed, len(s.generated), k, V)
             u[i, :k], noise[i, : k + 1] = ui[0], ni[0]
         sp = [s.offer.sampling for s in batch]
+        min_p = torch.tensor([p.min_p for p in sp]) if any(p.min_p for p in sp) else None
         out, n_acc = verify(target, ids, num, probs, torch.tensor([p.temperature for p in sp]),
                             torch.tensor([p.top_k for p in sp], dtype=torch.int32),
-                            torch.tensor([p.top_p for p in sp]), u, noise, impl=self.verify_impl)
+                            torch.tensor([p.top_p for p in sp]), u, noise, min_p=min_p, impl=self.verify_impl)
         return [out[i, : int(n_acc[i]) + 1].tolist() for i in range(B)]
 
     async def _resume_preempted(self) -> None:
         """Bring preempted sequences back (recomputing their KV) once the pool has room."""
         while self.preempted and self.engine.can_admit(len(self.preempted[0].context)):
             s = self.preempted.popleft()
-            await self.compute(self.engine.prefill, s.request_id, s.context[:-1])
+            await self.compute(self.engine.prefill, s.key, s.context[:-1])
             s.last_step = -1  # it waited for memory, not for its turn: a fresh start in the rotation
-            self.running[s.request_id] = s
-            log.info("resumed preempted %s (%d tokens recomputed)", s.request_id, len(s.context) - 1)
+            self.running[s.key] = s
+            log.info("resumed preempted %s (%d tokens recomputed)", s.key, len(s.context) - 1)
 
     def _preempt(self, batch: list[Sequence]) -> None:
         """Out of KV blocks: the most recently admitted sequence gives its blocks back and waits."""
         victim = max(batch, key=lambda s: s.admitted)
-        self.running.pop(victim.request_id, None)
-        self.drafter.release(victim.request_id)
-        self.engine.free(victim.request_id)
+        self.running.pop(victim.key, None)
+        self.drafter.release(victim.key)
+        self.engine.free(victim.key)
         self.preempted.append(victim)
         self.m_preempted.inc()
-        log.warning("KV pool full: preempted %s (will recompute)", victim.request_id)
+        log.warning("KV pool full: preempted %s (will recompute)", victim.key)
 
     async def _decode_loop(self) -> None:
         while True:
@@ -480,8 +592,11 @@ class DecodeWorker(WorkerBase):
                 if s.last_step >= 0:
                     self.m_wait_steps.observe(self.steps - s.last_step - 1)
                 s.last_step = self.steps
-            drafts = [await self._plan(s) for s in batch]
-            self._stepping = {s.request_id for s in batch}
+            if getattr(self.drafter, "concurrent", False):  # remote drafts: ask for the whole batch at once
+                drafts = await asyncio.gather(*(self._plan(s) for s in batch))
+            else:
+                drafts = [await self._plan(s) for s in batch]
+            self._stepping = {s.key for s in batch}
             t0 = time.perf_counter()
             try:
                 committed = await self.compute(self._forward_and_verify, batch, drafts)
@@ -493,7 +608,7 @@ class DecodeWorker(WorkerBase):
                 log.exception("decode step failed for %d sequences", len(batch))
                 self._stepping = set()
                 for s in batch:
-                    if self.running.pop(s.request_id, None) is not None:
+                    if self.running.pop(s.key, None) is not None:
                         await self._emit(s, kind="error", error=f"decode failed: {e}", error_type="server_error",
                                          status=500)
                     self._release(s)
@@ -503,21 +618,22 @@ class DecodeWorker(WorkerBase):
             fed = sum(1 + (len(d.token_ids) if d else 0) for d in drafts)
             self.controller.observe_verify(len(batch), max(1, round(fed / len(batch))), dt)
             self.m_itl.observe(dt)
-            for s, d, tokens in zip(batch, drafts, committed):
-                if s.request_id not in self.running:  # cancelled while the step ran
+            for s, d, (tokens, logprobs) in zip(batch, drafts, committed):
+                if s.key not in self.running:  # cancelled while the step ran
                     self._release(s)
                     continue
                 try:
-                    await self._commit(s, d, tokens, dt)
+                    await self._commit(s, d, tokens, dt, logprobs)
                 except Exception as e:  # one request's bug must not stop the loop for everyone
-                    log.exception("committing tokens of %s failed", s.request_id)
-                    if self.running.pop(s.request_id, None) is not None:
+                    log.exception("committing tokens of %s failed", s.key)
+                    if self.running.pop(s.key, None) is not None:
                         self._release(s)
                         await self._emit(s, kind="error", error=f"decode failed: {e}", error_type="server_error",
                                          status=500)
 
-    async def _commit(self, s: Sequence, draft, tokens: list[int], step_seconds: float) -> None:
-        rid = s.request_id
+    async def _commit(self, s: Sequence, draft, tokens: list[int], step_seconds: float,
+                      logprobs: list[dict] | None = None) -> None:
+        rid = s.key
         if draft:
             kd, acc = len(draft.token_ids), len(tokens) - 1
             span = s.span.kind
@@ -537,9 +653,12 @@ class DecodeWorker(WorkerBase):
             if s.stream.done:
                 break
         self.m_tokens.inc(len(committed))
+        if s.processor is not None:
+            s.processor.advance(committed)
         delta = "".join(text)
         s.span.feed(delta)
-        await self._emit(s, kind="token", token_ids=committed, text=delta)
+        await self._emit(s, kind="token", token_ids=committed, text=delta,
+                         logprobs=logprobs[: len(committed)] if logprobs is not None else None)
         if s.stream.done:
             self.running.pop(rid, None)
             self._release(s)

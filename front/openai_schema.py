@@ -1,45 +1,82 @@
-"""OpenAI-compatible request schemas, validated at the edge with errors a client can act on."""
+"""OpenAI-compatible request schemas, validated at the edge with errors a client can act on.
+
+Unknown fields are accepted and ignored, as vLLM does: benchmark clients, LiteLLM and agent
+frameworks send fields of their own (or of newer API versions), and refusing them would refuse
+the client. `ignored_fields` names them, so the front can log them and say so in a response
+header. Known fields stay strict: a malformed value of one is a 400 that names it.
+
+Besides OpenAI's fields, vLLM's common extensions: `min_tokens`, `stop_token_ids`,
+`repetition_penalty`, `min_p`, `top_k` (-1 = off, as vLLM), `ignore_eos`,
+`skip_special_tokens`, `stream_options.continuous_usage_stats`; and pdserve's `speculation`
+and `return_token_ids`.
+"""
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pdserve.basetypes import MAX_CHOICES, MAX_LOGPROBS
 
 MAX_TOKENS_LIMIT = 1 << 20  # anything above is absurd whatever the model; the context check is stricter
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Lenient(BaseModel):
+    """A request part whose unknown fields are kept aside (`model_extra`) and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk (with include_usage)
 
 
-class SpecOptions(BaseModel):
+class SpecOptions(Lenient):
     """pdserve extension: per-request speculation settings."""
 
-    model_config = ConfigDict(extra="forbid")
     enabled: bool = True
     method: Literal["ngram", "draft", "none"] | None = None
     max_k: int | None = Field(default=None, ge=0, le=32)
+    # whose earlier text may draft for this request through the draft pool (default: the deployment's one tenant)
+    tenant: str | None = Field(default=None, min_length=1, max_length=128)
 
 
-class _Common(BaseModel):
-    # Unknown fields are refused (as OpenAI does) rather than silently ignored.
-    model_config = ConfigDict(extra="forbid")
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict | None = None
 
+    @model_validator(mode="after")
+    def _supported(self) -> "ResponseFormat":
+        if self.type == "json_schema":
+            raise ValueError("response_format type json_schema is not supported: use json_object (output "
+                             "constrained to a valid JSON object) and describe the schema in the prompt")
+        return self
+
+
+class _Common(Lenient):
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1, le=1)
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     seed: int | None = None
     user: str | None = None
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None
     speculation: SpecOptions | None = None
     return_token_ids: bool = False  # pdserve extension: include the generated token ids in each choice
 
@@ -48,11 +85,24 @@ class _Common(BaseModel):
     def _stop(cls, v):
         return [v] if isinstance(v, str) else v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it may only equal n)")
+        return self
+
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
     echo: Literal[False] = False
-    logprobs: None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -69,14 +119,12 @@ class CompletionRequest(_Common):
         return v
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -93,4 +141,32 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-    logprobs: Literal[False] = False
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+def asked_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Alternatives per token the request asks for; None when it asks for no logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def ignored_fields(model: BaseModel, path: str = "") -> list[str]:
+    """Dotted names of the unknown fields of a request and its parts (`messages[].x` for a list's items)."""
+    out = [f"{path}{k}" for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            out += ignored_fields(value, f"{path}{name}.")
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, BaseModel):
+                    out += ignored_fields(item, f"{path}{name}[].")
+    return list(dict.fromkeys(out))

@@ -18,8 +18,8 @@ class WorkerRegistry:
         self.malformed = 0
 
     async def attach(self, nc) -> None:
-        await nc.subscribe(Subjects.LOAD_ALL, cb=self._on_load)
-        await nc.subscribe(Subjects.BYE_ALL, cb=self._on_bye)
+        await nc.subscribe(Subjects.load_all(self.scope), cb=self._on_load)
+        await nc.subscribe(Subjects.bye_all(self.scope), cb=self._on_bye)
 
     async def _on_load(self, msg) -> None:
         try:

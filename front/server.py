@@ -29,15 +29,18 @@ from transformers import AutoTokenizer
 
 from pdserve.basetypes import SamplingParams
 from pdserve.config import FrontConfig, load
-from pdserve.front.openai_schema import ChatCompletionRequest, CompletionRequest
+from pdserve.front.openai_schema import ChatCompletionRequest, CompletionRequest, asked_logprobs, ignored_fields
+from pdserve.front.openapi import IGNORED_FIELDS_HEADER, openapi_document
+from pdserve.front.responses import TokenTexts, chat_logprobs, completion_logprobs
 from pdserve.kvtransfer.protocol import (
-    Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects,
+    Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects, TokenLogprob,
 )
 from pdserve.natsserver import NatsCredentials
 
 log = logging.getLogger("pdserve.front")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_IGNORED_NAMED = 32  # unknown fields named in the response header and the log, at most
 
 
 class RequestFailed(Exception):
@@ -50,8 +53,15 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-    return web.json_response(error_body(message, type_, param, code), status=status)
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
+                   headers: dict | None = None):
+    return web.json_response(error_body(message, type_, param, code), status=status, headers=headers)
+
+
+def _header_safe(name: str) -> str:
+    """A client-chosen field name as it may appear in a header and a log line: printable, short."""
+    clean = "".join(c if c.isalnum() or c in "_.-[]" else "?" for c in name[:64])
+    return clean + ("..." if len(name) > 64 else "")
 
 
 class Front:
@@ -65,9 +75,10 @@ class Front:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         self.max_context = int(cfg.get("max_position_embeddings", 2048))
-        self.creds = NatsCredentials.from_config(args.nats)
+        self.vocab_size = max(int(cfg.get("vocab_size", 0)), len(self.tokenizer))
         self.api_key = args.api_key.get_secret_value() if args.api_key else None
         self.scope = args.deployment_scope
+        self.creds = NatsCredentials.from_config(args.nats, scope=self.scope)
         self.registry = WorkerRegistry(self.scope)
         self.nc: nats.NATS | None = None
         self.inflight: PyCounter[str] = PyCounter()  # decode worker id -> requests this front sent it
@@ -126,6 +137,7 @@ class Front:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/openapi.json", self.openapi)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.on_startup.append(self._startup)
@@ -133,8 +145,7 @@ class Front:
         return app
 
     async def _startup(self, app) -> None:
-        self.nc = await nats.connect(**self.creds.connect_kwargs(), name="pdserve-front",
-                                     max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        self.nc = await self.creds.connect(name="pdserve-front", max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         await self.registry.attach(self.nc)
 
     async def _cleanup(self, app) -> None:
@@ -187,6 +198,9 @@ class Front:
         self.m_queue.set(sum(self.inflight.values()))
         return web.Response(body=generate_latest(self.metrics), content_type="text/plain", charset="utf-8")
 
+    async def openapi(self, request):
+        return web.json_response(openapi_document(self.model_name, auth=bool(self.api_key)))
+
     async def models(self, request):
         # The configured model stays advertised even while its pools are scaled to zero.
         data = [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve"}]
@@ -207,12 +221,21 @@ class Front:
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or None
-            raise RequestFailed(400, f"{where}: {first['msg']}" if where else first["msg"], "invalid_request_error",
-                                code=where)
+            msg = first["msg"].removeprefix("Value error, ")
+            raise RequestFailed(400, f"{where}: {msg}" if where else msg, "invalid_request_error", code=where)
         if req.model != self.model_name:
             raise RequestFailed(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
                                 "invalid_request_error", code="model_not_found")
         return req
+
+    def _ignored(self, req, rid: str) -> dict[str, str]:
+        """Log the request's unknown fields (names only, once) and name them in a response header."""
+        names = ignored_fields(req)
+        if not names:
+            return {}
+        shown = [_header_safe(n) for n in names[:MAX_IGNORED_NAMED]] + (["..."] if len(names) > MAX_IGNORED_NAMED else [])
+        log.warning("request %s: ignored unknown fields: %s", rid, ", ".join(shown))
+        return {IGNORED_FIELDS_HEADER: ", ".join(shown)}
 
     def _sampling(self, req, prompt_len: int, default_max: int | None) -> SamplingParams:
         room = self.max_context - prompt_len
@@ -224,8 +247,23 @@ class Front:
             raise RequestFailed(400, f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceeds the model's "
                                      f"context of {self.max_context}", "invalid_request_error",
                                 code="context_length_exceeded")
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                              seed=req.seed, stop=req.stop or [], ignore_eos=req.ignore_eos)
+        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestFailed(400, f"stop_token_ids: {bad[:5]} outside the vocabulary (0..{self.vocab_size - 1})",
+                                "invalid_request_error", code="stop_token_ids")
+        fmt = req.response_format.type if req.response_format else "text"
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
+                min_p=req.min_p, seed=req.seed, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
+                ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, repetition_penalty=req.repetition_penalty,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, n=req.n,
+                logprobs=asked_logprobs(req), skip_special_tokens=req.skip_special_tokens, response_format=fmt)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or None
+            msg = first["msg"].removeprefix("Value error, ")
+            raise RequestFailed(400, f"{where}: {msg}" if where else msg, "invalid_request_error", code=where)
 
     async def completions(self, request):
         return await self._handle(request, chat=False)
@@ -235,8 +273,11 @@ class Front:
 
     async def _handle(self, request: web.Request, chat: bool):
         endpoint = "chat" if chat else "completions"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        headers: dict[str, str] = {}
         try:
             req = await self._parse(request, ChatCompletionRequest if chat else CompletionRequest)
+            headers = self._ignored(req, rid)
             if chat:
                 prompt_ids = self.chat_prompt_ids([{"role": m.role, "content": m.text()} for m in req.messages])
             elif isinstance(req.prompt, list):
@@ -248,74 +289,100 @@ class Front:
             params = self._sampling(req, len(prompt_ids), None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
         except RequestFailed as e:
             self.m_requests.labels(endpoint, str(e.status)).inc()
-            return error_response(e.status, e.message, e.type, code=e.code)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            return error_response(e.status, e.message, e.type, code=e.code, headers=headers)
         gen = Generation(self, rid, prompt_ids, params, req)
+        if params.logprobs is not None:
+            await asyncio.to_thread(TokenTexts.of, self.tokenizer)  # built once, off the event loop
         if req.stream:
-            return await self._stream(request, gen, chat, endpoint)
-        return await self._unary(gen, chat, endpoint)
+            return await self._stream(request, gen, chat, endpoint, headers)
+        return await self._unary(gen, chat, endpoint, headers)
 
-    def _usage(self, gen: "Generation") -> dict:
-        u = {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": gen.completion_tokens,
-             "total_tokens": len(gen.prompt_ids) + gen.completion_tokens,
-             "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+    def _usage(self, gen: "Generation", final: bool = True) -> dict:
+        """The usage object; with `final` False the running counts a chunk carries (continuous_usage_stats)."""
+        done = sum(c.completion_tokens for c in gen.choices)
+        u = {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": done, "total_tokens": len(gen.prompt_ids) + done}
+        if not final:
+            return u
+        u["prompt_tokens_details"] = {"cached_tokens": gen.cached_tokens}
         if gen.prepositioned:
             u["prompt_tokens_details"]["prepositioned"] = True
-        if gen.usage and gen.usage.spec_draft_tokens:
-            u["speculation"] = {"draft_tokens": gen.usage.spec_draft_tokens,
-                                "accepted_tokens": gen.usage.spec_accepted_tokens}
+        drafted = sum(c.usage.spec_draft_tokens for c in gen.choices if c.usage)
+        if drafted:
+            u["speculation"] = {"draft_tokens": drafted,
+                                "accepted_tokens": sum(c.usage.spec_accepted_tokens for c in gen.choices if c.usage)}
         return u
 
-    async def _unary(self, gen: "Generation", chat: bool, endpoint: str):
-        parts = []
+    def _logprobs(self, chat: bool, tokens: list[int], lps: list[TokenLogprob] | None, offset: int) -> dict | None:
+        if lps is None:
+            return None
+        texts = TokenTexts.of(self.tokenizer)
+        return chat_logprobs(tokens, lps, texts) if chat else completion_logprobs(tokens, lps, texts, offset)
+
+    async def _unary(self, gen: "Generation", chat: bool, endpoint: str, headers: dict):
         try:
-            async for delta in gen.run():
-                parts.append(delta)
+            async for _ in gen.run():
+                pass
         except RequestFailed as e:
             self.m_requests.labels(endpoint, str(e.status)).inc()
-            return error_response(e.status, e.message, e.type, code=e.code)
+            return error_response(e.status, e.message, e.type, code=e.code, headers=headers)
         self.m_requests.labels(endpoint, "200").inc()
-        text = "".join(parts)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": gen.finish_reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": gen.finish_reason, "logprobs": None}
-        if gen.req.return_token_ids:
-            choice["token_ids"] = gen.token_ids
+        choices = []
+        for c in gen.choices:
+            lps = self._logprobs(chat, c.token_ids, c.logprobs if gen.params.logprobs is not None else None, 0)
+            if chat:
+                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                          "finish_reason": c.finish_reason, "logprobs": lps}
+            else:
+                choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": lps}
+            if gen.req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
         return web.json_response({
             "id": gen.rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": [choice], "usage": self._usage(gen),
-        })
+            "model": self.model_name, "choices": choices, "usage": self._usage(gen),
+        }, headers=headers)
 
-    async def _stream(self, request: web.Request, gen: "Generation", chat: bool, endpoint: str):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(self, request: web.Request, gen: "Generation", chat: bool, endpoint: str, headers: dict):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **headers})
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        opts = gen.req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and opts.continuous_usage_stats  # as vLLM: usage in every chunk
 
-        def chunk(delta: str | None, finish: str | None, role: bool = False) -> bytes:
+        def chunk(index: int, delta: str | None, finish: str | None, lps: dict | None = None,
+                  role: bool = False) -> bytes:
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
-                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "delta": d, "finish_reason": finish, "logprobs": lps}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": lps}
             body = {"id": gen.rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+            if continuous:
+                body["usage"] = self._usage(gen, final=False)
             return b"data: " + json.dumps(body).encode() + b"\n\n"
 
         started = False
+        offsets = [0] * gen.params.n  # per choice: characters of its tokens' texts so far (text_offset)
         try:
-            async for delta in gen.run():
+            async for c, ev in gen.run():
                 if not started:
                     await resp.prepare(request)
                     started = True
                     if chat:
-                        await resp.write(chunk(None, None, role=True))
-                if delta:
-                    await resp.write(chunk(delta, None))
+                        for i in range(gen.params.n):
+                            await resp.write(chunk(i, None, None, role=True))
+                if ev is None:  # the choice is done
+                    await resp.write(chunk(c.index, None if chat else "", c.finish_reason))
+                elif ev.text or ev.logprobs:
+                    lps = self._logprobs(chat, ev.token_ids, ev.logprobs, offsets[c.index])
+                    if lps and not chat:
+                        offsets[c.index] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+                    await resp.write(chunk(c.index, ev.text, None, lps))
             if not started:
                 await resp.prepare(request)
-            await resp.write(chunk(None if chat else "", gen.finish_reason))
-            if gen.req.stream_options and gen.req.stream_options.include_usage:
+            if include_usage:
                 body = {"id": gen.rid, "object": obj, "created": created, "model": self.model_name,
                         "choices": [], "usage": self._usage(gen)}
                 await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
@@ -324,7 +391,7 @@ class Front:
         except RequestFailed as e:
             self.m_requests.labels(endpoint, str(e.status)).inc()
             if not started:  # nothing sent yet: a plain HTTP error is the clearest answer
-                return error_response(e.status, e.message, e.type, code=e.code)
+                return error_response(e.status, e.message, e.type, code=e.code, headers=headers)
             # mid-stream: an error event, and no [DONE]
             await resp.write(b"data: " + json.dumps(error_body(e.message, e.type, code=e.code)).encode() + b"\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
@@ -334,19 +401,46 @@ class Front:
         return resp
 
 
+class Choice:
+    """What the front has of one choice of a request: its text, tokens, logprobs and end."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.usage = None  # the worker's Usage for this choice, once done
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def add(self, ev: StreamEvent) -> None:
+        self.token_ids.extend(ev.token_ids)
+        if ev.logprobs:
+            self.logprobs.extend(ev.logprobs)
+        if ev.text:
+            self.parts.append(ev.text)
+
+
 class Generation:
     """One request's life at the front: dispatch, then follow its events to the end."""
 
     def __init__(self, front: Front, rid: str, prompt_ids: list[int], params: SamplingParams, req):
         self.front, self.rid, self.prompt_ids, self.params, self.req = front, rid, prompt_ids, params, req
-        self.finish_reason: str | None = None
-        self.completion_tokens = 0
-        self.token_ids: list[int] = []
-        self.usage = None
+        self.choices = [Choice(i) for i in range(params.n)]
         self.cached_tokens = 0  # prompt tokens prefill took from its prefix cache
         self.prepositioned = False  # … some of which pre-positioning computed ahead
-        self.text: list[str] = []
         self._sub = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
 
     async def _dispatch(self, preq: PrefillRequest, worker_id: str) -> Ack:
         """Send the prompt to the routed prefill worker; if it does not answer, to any (queue group)."""
@@ -374,18 +468,25 @@ class Generation:
         """The likeliest start of this conversation's next request: everything so far plus the answer."""
         if isinstance(self.req, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in self.req.messages]
-            messages.append({"role": "assistant", "content": "".join(self.text)})
+            messages.append({"role": "assistant", "content": self.choices[0].text})
             return self.front.next_user_turn_ids(messages)
-        return self.prompt_ids + self.token_ids
+        return self.prompt_ids + self.choices[0].token_ids
+
+    def _choice(self, ev: StreamEvent) -> Choice:
+        if not 0 <= ev.index < len(self.choices):
+            raise RequestFailed(502, f"a worker sent choice {ev.index} of a request with n={len(self.choices)}",
+                                "server_error")
+        return self.choices[ev.index]
 
     async def cancel(self, reason: str) -> None:
         try:
-            await self.front.nc.publish(Subjects.cancel(self.rid), Cancel(request_id=self.rid, reason=reason).encode())
+            await self.front.nc.publish(Subjects.cancel(self.front.scope, self.rid), Cancel(request_id=self.rid, reason=reason).encode())
         except Exception:
             pass
 
     async def run(self):
-        """Yield text deltas; raise RequestFailed on any failure."""
+        """Yield (choice, token event) as tokens arrive and (choice, None) as each choice ends; raise
+        RequestFailed on any failure."""
         f, a = self.front, self.front.args
         t0 = time.monotonic()
         decode = f.registry.pick_decode(f.model_name, f.inflight, f.inflight_bytes)
@@ -398,11 +499,11 @@ class Generation:
                               sampling=self.params, seed=self.params.seed if self.params.seed is not None
                               else secrets.randbits(63), decode_worker_id=decode.worker_id,
                               failure_policy=a.kv_failure_policy, spec=spec)
-        kv_bytes = (len(self.prompt_ids) + self.params.max_tokens) * f.kv_bytes_per_token
+        kv_bytes = (len(self.prompt_ids) + self.params.n * self.params.max_tokens) * f.kv_bytes_per_token
         f.inflight[decode.worker_id] += 1
         f.inflight_bytes[decode.worker_id] += kv_bytes
         f.m_prompt_tokens.inc(len(self.prompt_ids))
-        sub = await f.nc.subscribe(Subjects.stream(self.rid))
+        sub = await f.nc.subscribe(Subjects.stream(f.scope, self.rid))
         finished = False
         queued = None  # (prefill worker, tokens) this request adds to its queue until the first token
         try:
@@ -462,15 +563,19 @@ class Generation:
                         else:
                             f.m_itl.observe(now - last_token_at)
                         last_token_at = now
-                        self.completion_tokens += len(ev.token_ids)
-                        self.token_ids.extend(ev.token_ids)
-                        if ev.text:
-                            self.text.append(ev.text)
-                            yield ev.text
+                        choice = self._choice(ev)
+                        choice.add(ev)
+                        yield choice, ev
                         continue
                     if ev.kind == "done":
-                        self.finish_reason = ev.finish_reason or "stop"
-                        self.usage = ev.usage
+                        choice = self._choice(ev)
+                        if choice.finish_reason is not None:
+                            raise RequestFailed(502, f"choice {ev.index} ended twice", "server_error")
+                        choice.finish_reason = ev.finish_reason or "stop"
+                        choice.usage = ev.usage
+                        yield choice, None
+                        if any(c.finish_reason is None for c in self.choices):
+                            continue
                         finished = True
                         f.m_completion_tokens.inc(self.completion_tokens)
                         f.m_e2e.observe(time.monotonic() - t0)

@@ -18,6 +18,9 @@ Contract (B requests, K = max drafted tokens, V = vocabulary):
                      argmax of the RAW target logits row j (first index on ties); at the first mismatch
                      the output is that argmax; if all are accepted the bonus is argmax of row k.
                      Greedy requests ignore q, top-k, top-p and the randomness.
+``min_p``            [B] float32, keyword, optional (None = off everywhere). Keep tokens whose probability is
+                     at least min_p times the most likely one's, i.e. whose scaled logit is >= max + log(min_p)
+                     (vLLM's min-p, applied after temperature and before top-k / top-p). 0 = off.
 ``top_k``            [B] int32. Keep tokens whose (temperature-scaled) logit >= the k-th largest
                      (ties kept). 0 or >= V = off.
 ``top_p``            [B] float32. Keep the most probable tokens whose mass reaches top_p, defined by a
@@ -52,7 +55,9 @@ Contract (B requests, K = max drafted tokens, V = vocabulary):
                      sampled rows) or draft-model drafts; a mixed batch is two calls.
                      uniform_accept must be independent of the noise rows it is used with.
 
-Sampled rows use p = process_logits(target row): temperature -> top-k -> top-p -> softmax.
+Sampled rows use p = process_logits(target row): temperature -> min-p -> top-k -> top-p -> softmax. Logits
+processors that depend on the tokens before a position (penalties, a format mask) are the caller's: it passes
+rows already processed for each position (`pdserve.processors`); greedy rows then take their argmax.
 
 Returns ``(output_token_ids [B, K+1] int64, num_accepted [B] int32)``: the first num_accepted[b] + 1
 entries of row b are the accepted drafts followed by the correction (or bonus) token; the rest are -1.
@@ -77,8 +82,11 @@ __all__ = ["verify", "verify_reference", "verify_triton", "verify_greedy", "draw
 # --------------------------------------------------------------------------------------------------
 
 
-def _scaled_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Logits [N, V] -> temperature-scaled logits with tokens cut by top-k / top-p set to -inf.
+def _scaled_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   log_min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [N, V] -> temperature-scaled logits with tokens cut by min-p / top-k / top-p set to -inf.
+
+    `log_min_p` [N]: log(min_p), -inf where min-p is off (see `_log_min_p`).
 
     Greedy rows (temperature <= 0) are scaled by 1 and left uncut; callers treat them separately.
     """
@@ -87,6 +95,12 @@ def _scaled_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     sampled = temperature > 0
     x = x / torch.where(sampled, temperature.float(), torch.ones_like(temperature, dtype=torch.float32))[:, None]
     neg_inf = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
+
+    if log_min_p is not None:
+        m_on = sampled & (log_min_p > float("-inf"))
+        if bool(m_on.any()):
+            floor = x.max(dim=-1, keepdim=True).values + log_min_p.float()[:, None]
+            x = torch.where(m_on[:, None] & (x < floor), neg_inf, x)
 
     k = top_k.to(torch.int64)
     k_on = sampled & (k > 0) & (k < vocab)
@@ -114,14 +128,25 @@ def _softmax(x: torch.Tensor) -> torch.Tensor:
     return e / e.sum(dim=-1, keepdim=True)
 
 
-def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _log_min_p(min_p: torch.Tensor | None, n: int, device) -> torch.Tensor | None:
+    """min_p [N] -> log(min_p) [N] float32 (-inf where off), computed once on the host side of both
+    implementations so that they compare scaled logits with the very same floor."""
+    if min_p is None:
+        return None
+    if tuple(min_p.shape) != (n,):
+        raise ValueError(f"min_p must have shape ({n},), got {tuple(min_p.shape)}")
+    return torch.log(min_p.to(device=device, dtype=torch.float32))
+
+
+def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor | None = None) -> torch.Tensor:
     """The target/draft distribution: logits [N, V] -> probabilities [N, V] float32.
 
     temperature [N] float32 (<= 0: greedy, a one-hot on the first argmax of the raw logits),
-    top_k [N] int (0 or >= V: off), top_p [N] float32 (>= 1: off); order temperature -> top-k ->
-    top-p -> softmax, thresholds as in the module docstring.
+    min_p [N] float32 or None (0: off), top_k [N] int (0 or >= V: off), top_p [N] float32 (>= 1: off);
+    order temperature -> min-p -> top-k -> top-p -> softmax, thresholds as in the module docstring.
     """
-    probs = _softmax(_scaled_logits(logits, temperature, top_k, top_p))
+    probs = _softmax(_scaled_logits(logits, temperature, top_k, top_p, _log_min_p(min_p, logits.shape[0], logits.device)))
     greedy = temperature <= 0
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(1, logits.float().argmax(dim=-1, keepdim=True), 1.0)
@@ -169,9 +194,10 @@ def _check_inputs(target_logits, draft_token_ids, num_draft_tokens, draft_probs,
 
 
 def verify_reference(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature, top_k, top_p,
-                     uniform_accept, exp_noise) -> tuple[torch.Tensor, torch.Tensor]:
+                     uniform_accept, exp_noise, *, min_p=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch speculative verification; same contract as :func:`verify`."""
     b, k, vocab = _check_inputs(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature, top_k, top_p, uniform_accept, exp_noise)
+    log_min_p = _log_min_p(min_p, b, target_logits.device)
     device = target_logits.device
     logits = target_logits.float()
     temperature = temperature.float()
@@ -182,6 +208,7 @@ def verify_reference(target_logits, draft_token_ids, num_draft_tokens, draft_pro
     probs = _softmax(_scaled_logits(
         logits.reshape(b * (k + 1), vocab), temperature.repeat_interleave(k + 1),
         top_k.repeat_interleave(k + 1), top_p.float().repeat_interleave(k + 1),
+        None if log_min_p is None else log_min_p.repeat_interleave(k + 1),
     )).view(b, k + 1, vocab)
     raw_argmax = logits.argmax(dim=-1)  # [B, K+1]
 
@@ -308,10 +335,13 @@ def _mass_at_least(row_ptr, temp, mx, thresh, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _row_distribution(row_ptr, temp, top_k, top_p, V, BLOCK_V: tl.constexpr):
+def _row_distribution(row_ptr, temp, log_min_p, top_k, top_p, V, BLOCK_V: tl.constexpr):
     """Row max, keep-threshold (scaled logit) and normaliser of the processed distribution."""
     mx, mn = _row_max_min(row_ptr, temp, V, BLOCK_V)
-    thresh = mn
+    # min-p: the floor max + log(min_p) (log_min_p is -inf when off); the k-th largest of the whole
+    # row below it cuts nothing more, above it it is the k-th largest of what min-p kept
+    floor = tl.maximum(mn, mx + log_min_p)
+    thresh = floor
     if (top_k > 0) & (top_k < V):
         # largest t with count(x >= t) >= k is exactly the k-th largest value: bisect on order keys
         lo = _key_of(mn).to(tl.int64)
@@ -321,7 +351,7 @@ def _row_distribution(row_ptr, temp, top_k, top_p, V, BLOCK_V: tl.constexpr):
             ok = _count_at_least(row_ptr, temp, _float_of(mid.to(tl.int32)), V, BLOCK_V) >= top_k
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid - 1)
-        thresh = _float_of(lo.to(tl.int32))
+        thresh = tl.maximum(floor, _float_of(lo.to(tl.int32)))
     z = _mass_at_least(row_ptr, temp, mx, thresh, V, BLOCK_V)
     if top_p < 1.0:
         # largest t with mass(x >= t) >= top_p * z; it is a logit value, so ties at it are kept
@@ -377,7 +407,7 @@ def _race(row_ptr, temp, mx, thresh, z, noise_ptr, q_ptr, draft, use_q, V,
 
 @triton.jit
 def _spec_verify_kernel(
-    logits_ptr, draft_ids_ptr, num_draft_ptr, draft_probs_ptr, temp_ptr, top_k_ptr, top_p_ptr,
+    logits_ptr, draft_ids_ptr, num_draft_ptr, draft_probs_ptr, temp_ptr, log_min_p_ptr, top_k_ptr, top_p_ptr,
     uniform_ptr, noise_ptr, out_ptr, num_accepted_ptr,
     K, V,
     HAS_DRAFT_PROBS: tl.constexpr, PER_POSITION_NOISE: tl.constexpr, COUPLED: tl.constexpr,
@@ -388,6 +418,7 @@ def _spec_verify_kernel(
     temp = tl.load(temp_ptr + b)
     top_k = tl.load(top_k_ptr + b).to(tl.int32)
     top_p = tl.load(top_p_ptr + b)
+    log_min_p = tl.load(log_min_p_ptr + b)
     greedy = temp <= 0.0
     safe_temp = tl.where(greedy, 1.0, temp)
     out_row = out_ptr + b * (K + 1)
@@ -408,7 +439,7 @@ def _spec_verify_kernel(
             tok = _row_argmax(row_ptr, V, BLOCK_V)
             accept = drafting & (draft == tok.to(tl.int64))
         else:
-            mx, thresh, z = _row_distribution(row_ptr, safe_temp, top_k, top_p, V, BLOCK_V)
+            mx, thresh, z = _row_distribution(row_ptr, safe_temp, log_min_p, top_k, top_p, V, BLOCK_V)
             if COUPLED:
                 # position j's token is the race winner of p_j (use_q false: no residual); the draft
                 # survives iff it is that winner
@@ -445,10 +476,13 @@ def _interpreting() -> bool:
 
 
 def verify_triton(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature, top_k, top_p,
-                  uniform_accept, exp_noise, *, block_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  uniform_accept, exp_noise, *, min_p=None, block_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused Triton kernel (one launch, grid (B,)); same contract as :func:`verify`."""
     b, k, vocab = _check_inputs(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature, top_k, top_p, uniform_accept, exp_noise)
     device = target_logits.device
+    log_min_p = _log_min_p(min_p, b, device)
+    if log_min_p is None:
+        log_min_p = torch.full((b,), float("-inf"), device=device)
     out = torch.empty((b, k + 1), dtype=torch.int64, device=device)
     num_accepted = torch.empty((b,), dtype=torch.int32, device=device)
     if b == 0:
@@ -465,6 +499,7 @@ def verify_triton(target_logits, draft_token_ids, num_draft_tokens, draft_probs,
         num_draft_tokens.to(device=device, dtype=torch.int32).contiguous(),
         f32(draft_probs) if has_q else exp_noise,  # a placeholder pointer, never read without HAS_DRAFT_PROBS
         f32(temperature),
+        f32(log_min_p),
         top_k.to(device=device, dtype=torch.int32).contiguous(),
         f32(top_p),
         f32(uniform_accept),
@@ -494,7 +529,7 @@ def verify_greedy(target_logits: torch.Tensor, draft_token_ids: list[int]) -> li
 
 
 def verify(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature, top_k, top_p,
-           uniform_accept, exp_noise, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+           uniform_accept, exp_noise, *, min_p=None, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Verify k drafted tokens per request; returns (output_token_ids [B, K+1] int64, num_accepted [B] int32).
 
     See the module docstring for shapes, dtypes and semantics. ``impl``: "triton", "reference", or
@@ -503,7 +538,9 @@ def verify(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temper
     if impl == "auto":
         impl = "triton" if (target_logits.is_cuda or _interpreting()) else "reference"
     if impl == "triton":
-        return verify_triton(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature, top_k, top_p, uniform_accept, exp_noise)
+        return verify_triton(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature, top_k, top_p,
+                             uniform_accept, exp_noise, min_p=min_p)
     if impl == "reference":
-        return verify_reference(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature, top_k, top_p, uniform_accept, exp_noise)
+        return verify_reference(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature, top_k, top_p,
+                                uniform_accept, exp_noise, min_p=min_p)
     raise ValueError(f"impl must be 'auto', 'triton' or 'reference', got {impl!r}")

@@ -7,7 +7,7 @@ Transports (one interface, picked per handoff from the sender's preference list 
 | shm      | both workers share a host (`host_id`)  | a /dev/shm segment named by the token; control|
 |          |                                        | frames over the direct socket                 |
 | tcp      | default across hosts                   | the direct framed stream (`kvtransfer.tcp_*`) |
-| nats     | fallback that always works             | chunked, acked messages on `kv.{token}.data`  |
+| nats     | fallback that always works             | chunked, acked messages on `kv.{s}.data.{t}`  |
 | objstore | offload tier (KV that must outlive one | one object in the JetStream object store, TTL |
 |          | of the workers)                        |                                               |
 
@@ -17,7 +17,8 @@ wish, granted if the receiver allows it and the transport is not shm. A device-t
 (NIXL, NCCL, CUDA IPC) slots in as another name here: nothing in the interface assumes CPU bytes,
 only `send(reply, header, kv)` and `wait(token) -> KVBlocks`.
 
-Every failure, on either side, is published as a `TransferFailed` record on `kv.failed.{request_id}`.
+Every failure, on either side, is published as a `TransferFailed` record on `kv.{s}.failed.{request_id}`.
+Both channels belong to one deployment scope (`scope`): their NATS subjects and buckets are its own.
 """
 from __future__ import annotations
 
@@ -39,15 +40,15 @@ log = logging.getLogger("pdserve.kvtransfer.channel")
 DEFAULT_PREFERENCE = ("shm", "tcp", "nats")
 
 
-async def publish_failure(nc, request_id: str, token: str | None, worker_id: str, side: str, transport: str,
-                          reason: str) -> None:
-    """Publish a `TransferFailed` record (best effort: NATS may be the thing that failed)."""
+async def publish_failure(nc, scope: str, request_id: str, token: str | None, worker_id: str, side: str,
+                          transport: str, reason: str) -> None:
+    """Publish a `TransferFailed` record in `scope` (best effort: NATS may be the thing that failed)."""
     if nc is None:
         return
     rec = TransferFailed(request_id=request_id, transfer_token=token, worker_id=worker_id, side=side,
                          transport=transport, reason=reason[:2000])
     try:
-        await nc.publish(Subjects.kv_failed(request_id), rec.encode())
+        await nc.publish(Subjects.kv_failed(scope, request_id), rec.encode())
     except Exception as e:
         log.warning("could not publish TransferFailed for %s: %s", request_id, e)
 
@@ -55,10 +56,10 @@ async def publish_failure(nc, request_id: str, token: str | None, worker_id: str
 class KVReceiveChannel:
     """Decode side: wraps the data server (`KVReceiver`) and, with a NATS connection, the NATS transports."""
 
-    def __init__(self, receiver: KVReceiver, nc=None, *, worker_id: str = "decode",
+    def __init__(self, receiver: KVReceiver, nc=None, *, scope: str = "default", worker_id: str = "decode",
                  transports: Iterable[str] = TRANSPORTS, compressions: Iterable[str] = COMPRESSIONS,
                  stall_timeout: float | None = None):
-        self.receiver, self.nc, self.worker_id = receiver, nc, worker_id
+        self.receiver, self.nc, self.scope, self.worker_id = receiver, nc, scope, worker_id
         self.transports = tuple(transports)
         self.compressions = tuple(compressions)
         self.stall_timeout = stall_timeout or receiver.stall_timeout
@@ -91,11 +92,11 @@ class KVReceiveChannel:
             from pdserve.kvtransfer.natsdata import NatsTransferServer
 
             try:
-                await NatsTransferServer(self.nc, self.receiver, token, self.stall_timeout).start()
+                await NatsTransferServer(self.nc, self.receiver, token, self.stall_timeout, self.scope).start()
             except Exception:
                 self.receiver.cancel(token, "could not subscribe for the transfer")
                 raise
-            rendezvous["subject"] = Subjects.kv_data(token)
+            rendezvous["subject"] = Subjects.kv_data(self.scope, token)
         self._transport[token] = (transport, offer.request_id)
         return HandoffReply(accepted=True, worker_id=self.worker_id, transfer_token=token,
                             data_addr=self.receiver.address, transport=transport, compression=compression,
@@ -110,7 +111,7 @@ class KVReceiveChannel:
         try:
             return await self.receiver.wait(token, timeout)
         except TransferError as e:
-            await publish_failure(self.nc, request_id, token, self.worker_id, "receiver", transport, str(e))
+            await publish_failure(self.nc, self.scope, request_id, token, self.worker_id, "receiver", transport, str(e))
             raise
 
     def layers(self, token: str, timeout: float) -> AsyncIterator[tuple[int, torch.Tensor]]:
@@ -125,14 +126,15 @@ class KVReceiveChannel:
 class KVSendChannel:
     """Prefill side: what to offer, and how to send once decode has replied."""
 
-    def __init__(self, nc=None, *, sender_id: str, generation: int, transports: Iterable[str] = DEFAULT_PREFERENCE,
+    def __init__(self, nc=None, *, scope: str = "default", sender_id: str, generation: int,
+                 transports: Iterable[str] = DEFAULT_PREFERENCE,
                  compression: str = "none", timeout: float = 30.0, connect_timeout: float = 5.0):
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         bad = [t for t in transports if t not in TRANSPORTS]
         if bad:
             raise ValueError(f"unknown KV transports {bad}; known: {TRANSPORTS}")
-        self.nc, self.sender_id, self.generation = nc, sender_id, generation
+        self.nc, self.scope, self.sender_id, self.generation = nc, scope, sender_id, generation
         self.transports = [t for t in transports if t not in ("nats", "objstore") or nc is not None]
         self.compression = compression
         self.timeout, self.connect_timeout = timeout, connect_timeout
@@ -157,7 +159,7 @@ class KVSendChannel:
             from pdserve.kvtransfer.natsdata import send_kv_objstore
 
             return await self._guard(header, send_kv_objstore(self.nc, self._fit(reply, header), kv,
-                                                              timeout=self.timeout))
+                                                              scope=self.scope, timeout=self.timeout))
         if reply.transport in ("tcp", "shm"):  # every layer at hand: one pipeline, no per-layer hand-offs
             return await self._guard(header, send_kv(reply.data_addr, self._fit(reply, header), kv,
                                                      timeout=self.timeout, connect_timeout=self.connect_timeout))
@@ -173,7 +175,7 @@ class KVSendChannel:
         elif reply.transport == "nats":
             from pdserve.kvtransfer.natsdata import send_kv_nats
 
-            coro = send_kv_nats(self.nc, header, layers, timeout=self.timeout)
+            coro = send_kv_nats(self.nc, header, layers, scope=self.scope, timeout=self.timeout)
         else:
             raise TransferError(f"transport {reply.transport!r} cannot stream layers")
         return await self._guard(header, coro)
@@ -188,6 +190,6 @@ class KVSendChannel:
         try:
             return await coro
         except TransferError as e:
-            await publish_failure(self.nc, header.request_id, header.transfer_token, self.sender_id, "sender",
-                                  header.transport, str(e))
+            await publish_failure(self.nc, self.scope, header.request_id, header.transfer_token, self.sender_id,
+                                  "sender", header.transport, str(e))
             raise

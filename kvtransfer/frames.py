@@ -31,7 +31,7 @@ import zlib
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt
 
 from pdserve.basetypes import Compression, KVLayout
 
@@ -80,11 +80,11 @@ class TransferHeader(BaseModel):
     transfer_token: str
     request_id: str
     sender_id: str
-    sender_generation: int
+    sender_generation: NonNegativeInt
     layout: KVLayout
-    num_tokens: int
-    num_chunks: int
-    total_bytes: int
+    num_tokens: PositiveInt  # a transfer of no tokens has nothing to carry (and no buffer to carry it in)
+    num_chunks: NonNegativeInt
+    total_bytes: NonNegativeInt
     compression: Compression = "none"
     transport: Literal["tcp", "shm", "nats", "objstore"] = "tcp"
     shm_verify: bool = False  # crc32 over shared-memory layers (memory is not a wire; off by default)

@@ -1,12 +1,14 @@
 """KV over NATS: chunked messages (the fallback that always works) and the JetStream object store (offload tier).
 
 Both use the frames of `kvtransfer.frames` — one frame per NATS message on the transfer's own subject
-`pdserve.v1.kv.{token}.data` (chunks stay below the server's max_payload). Every message is a request:
+`Subjects.kv_data(scope, token)` (chunks stay below the server's max_payload). Every message is a request:
 the receiver answers each with `{"ok": true}` or the error that stopped it, and the sender keeps at most
 `window` chunks unanswered (flow control). The last answer (to END) is the ACK with the receiver's stats.
 
-The object-store transport puts the whole frame stream as one object (bucket with a TTL, memory
-storage), then sends one OBJECT frame naming it; the receiver fetches, checks, deletes it. The TTL
+The object-store transport puts the whole frame stream as one object (the scope's bucket
+`Buckets.kv_transfer(scope)`, with a TTL, memory storage), then sends one OBJECT frame naming it; the
+receiver fetches it — only from its own scope's bucket, only the transfer's own object —, checks and
+deletes it. The TTL
 removes whatever a dead peer leaves behind.
 
 Stalls are bounded on both sides: the sender's requests time out after `timeout` s; the receiver's
@@ -22,7 +24,7 @@ from typing import AsyncIterator
 
 import torch
 
-from pdserve.kvtransfer.protocol import Subjects
+from pdserve.kvtransfer.protocol import Buckets, Subjects
 from pdserve.basetypes import LayoutMismatch
 from pdserve.kvtransfer.frames import (
     END, HELLO, MAX_CHUNK, OBJECT, TransferError, TransferHeader, crc32, frame, layer_wire_pieces, split_frames,
@@ -33,8 +35,12 @@ from pdserve.kvtransfer.receiver import Assembly, Receiver
 log = logging.getLogger("pdserve.kvtransfer.nats")
 
 NATS_CHUNK_BYTES = 4 << 20  # below the 8 MB max_payload with room for headers
-DEFAULT_BUCKET = "pdserve-kv-transfer"
 DEFAULT_OBJECT_TTL_S = 300.0
+
+
+def object_name(token: str) -> str:
+    """The object-store name of a transfer's frames."""
+    return f"kv-{token}"
 
 
 def _msg(kind: int, payload, layer: int = 0, offset: int = 0) -> bytes:
@@ -42,7 +48,7 @@ def _msg(kind: int, payload, layer: int = 0, offset: int = 0) -> bytes:
     return hdr + bytes(body)
 
 
-async def ensure_bucket(js, bucket: str = DEFAULT_BUCKET, ttl_s: float = DEFAULT_OBJECT_TTL_S):
+async def ensure_bucket(js, bucket: str, ttl_s: float = DEFAULT_OBJECT_TTL_S):
     """The object store bucket (memory storage, objects expire after `ttl_s`), created if missing."""
     from nats.js.api import ObjectStoreConfig, StorageType
 
@@ -79,12 +85,13 @@ async def _first_request(nc, subject: str, data: bytes, timeout: float):
 
 
 async def send_kv_nats(nc, header: TransferHeader, layers: AsyncIterator[tuple[int, torch.Tensor]], *,
-                       timeout: float = 30.0, window: int = 8, chunk_bytes: int = NATS_CHUNK_BYTES) -> dict:
-    """Send layers as chunked NATS requests on the transfer's subject; → the receiver's ACK.
+                       scope: str = "default", timeout: float = 30.0, window: int = 8,
+                       chunk_bytes: int = NATS_CHUNK_BYTES) -> dict:
+    """Send layers as chunked NATS requests on the transfer's subject in `scope`; → the receiver's ACK.
 
     At most `window` chunks are in flight; each must be answered within `timeout` s.
     """
-    subject = Subjects.kv_data(header.transfer_token)
+    subject = Subjects.kv_data(scope, header.transfer_token)
     sem = asyncio.Semaphore(window)
     failures: list[str] = []
     inflight: set[asyncio.Task] = set()
@@ -136,12 +143,14 @@ async def send_kv_nats(nc, header: TransferHeader, layers: AsyncIterator[tuple[i
             t.cancel()
 
 
-async def send_kv_objstore(nc, header: TransferHeader, kv: KVBlocks, *, bucket: str = DEFAULT_BUCKET,
+async def send_kv_objstore(nc, header: TransferHeader, kv: KVBlocks, *, scope: str = "default",
                            ttl_s: float = DEFAULT_OBJECT_TTL_S, timeout: float = 30.0) -> dict:
-    """Put the transfer's frames as one object (TTL `ttl_s`), name it to the receiver; → its ACK."""
+    """Put the transfer's frames as one object (TTL `ttl_s`) in the scope's bucket, name it to the
+    receiver; → its ACK."""
     import nats.errors
 
     js = nc.jetstream()
+    bucket = Buckets.kv_transfer(scope)
     store = await ensure_bucket(js, bucket, ttl_s)
     parts = []
     for i, layer in enumerate(kv.layers):
@@ -149,12 +158,12 @@ async def send_kv_objstore(nc, header: TransferHeader, kv: KVBlocks, *, bucket: 
             hdr, body = frame(kind, payload, li, off)
             parts += [hdr, body]
     parts += frame(END, json.dumps({"chunks": len(kv.layers), "bytes": header.total_bytes}).encode())
-    name = f"kv-{header.transfer_token}"
+    name = object_name(header.transfer_token)
     await asyncio.wait_for(store.put(name, b"".join(parts)), timeout)
     del parts
     ref = json.dumps({"bucket": bucket, "name": name}).encode()
     try:
-        raw = await _first_request(nc, Subjects.kv_data(header.transfer_token),
+        raw = await _first_request(nc, Subjects.kv_data(scope, header.transfer_token),
                                    _msg(HELLO, header.model_dump_json().encode()) + _msg(OBJECT, ref), timeout)
         reply = json.loads(raw.data)
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError) as e:
@@ -179,8 +188,8 @@ class NatsTransferServer:
     failure, stall or cancel alike).
     """
 
-    def __init__(self, nc, receiver: Receiver, token: str, stall_timeout: float):
-        self.nc, self.rx, self.token, self.stall_timeout = nc, receiver, token, stall_timeout
+    def __init__(self, nc, receiver: Receiver, token: str, stall_timeout: float, scope: str = "default"):
+        self.nc, self.rx, self.token, self.stall_timeout, self.scope = nc, receiver, token, stall_timeout, scope
         self.exp = receiver.expected(token)
         self.asm: Assembly | None = None
         self.last = time.monotonic()
@@ -189,7 +198,7 @@ class NatsTransferServer:
         self.fetching = False
 
     async def start(self) -> "NatsTransferServer":
-        self.sub = await self.nc.subscribe(Subjects.kv_data(self.token), cb=self._on_msg)
+        self.sub = await self.nc.subscribe(Subjects.kv_data(self.scope, self.token), cb=self._on_msg)
         self.watchdog = asyncio.create_task(self._watch())
         self.exp.cleanup.append(self._stop)
         # the server has the subscription before the sender can hear of it: the reply may travel a faster
@@ -248,7 +257,12 @@ class NatsTransferServer:
             if crc32(payload) != crc:
                 raise TransferError(f"corrupt chunk (layer {layer}): crc32 mismatch")
             if kind == HELLO:
-                header = TransferHeader.model_validate_json(bytes(payload))
+                if self.asm is not None:
+                    raise TransferError("a second HELLO in one transfer")
+                try:
+                    header = TransferHeader.model_validate_json(bytes(payload))
+                except ValueError as e:
+                    raise TransferError(f"malformed transfer header: {str(e)[:500]}") from None
                 if header.transfer_token != self.token:
                     raise TransferError("transfer token does not match the subject")
                 _, self.asm = self.rx.begin(header, header.transport)
@@ -259,7 +273,11 @@ class NatsTransferServer:
             elif kind == OBJECT:
                 self.fetching = True
                 try:
-                    await self._fetch(json.loads(bytes(payload)))
+                    try:
+                        ref = json.loads(bytes(payload))
+                    except ValueError:
+                        raise TransferError("malformed object reference (not JSON)") from None
+                    await self._fetch(ref)
                 finally:
                     self.fetching = False
                     self.last = time.monotonic()
@@ -274,15 +292,19 @@ class NatsTransferServer:
         stats = self.rx.complete(self.exp, self.asm)
         return {"ok": True, **stats}
 
-    async def _fetch(self, ref: dict) -> None:
-        store = await self.nc.jetstream().object_store(ref["bucket"])
+    async def _fetch(self, ref) -> None:
+        # Only this transfer's object in this scope's bucket: the frame names what to read and then delete.
+        want = {"bucket": Buckets.kv_transfer(self.scope), "name": object_name(self.token)}
+        if ref != want:
+            raise TransferError(f"object reference {str(ref)[:200]} is not this transfer's ({want})")
+        store = await self.nc.jetstream().object_store(want["bucket"])
         try:
-            res = await asyncio.wait_for(store.get(ref["name"]), self.stall_timeout)
+            res = await asyncio.wait_for(store.get(want["name"]), self.stall_timeout)
         except Exception as e:
-            raise TransferError(f"cannot fetch KV object {ref['name']}: {type(e).__name__}: {e}") from None
+            raise TransferError(f"cannot fetch KV object {want['name']}: {type(e).__name__}: {e}") from None
         finally:
             try:
-                await store.delete(ref["name"])  # fetched or not, nobody else needs it
+                await store.delete(want["name"])  # fetched or not, nobody else needs it
             except Exception:
                 pass
         for kind, layer, crc, offset, payload in split_frames(res.data, MAX_CHUNK):

@@ -26,10 +26,10 @@ from pdserve.basetypes import KVLayout, prefix_hashes
 from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.frames import CHUNK, HELLO, MAX_CHUNK, TransferError, crc32, frame, split_frames, tensor_bytes
 from pdserve.kvtransfer.natsdata import ensure_bucket
+from pdserve.kvtransfer.protocol import Buckets
 
 log = logging.getLogger("pdserve.kvtransfer.offload")
 
-PREFIX_BUCKET = "pdserve-kv-prefix"
 DEFAULT_PREFIX_TTL_S = 3600.0
 
 
@@ -46,8 +46,8 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[str]:
 class KVPrefixStore:
     """put/get KV prefixes in the object store bucket `bucket` (memory storage, objects expire after `ttl_s`)."""
 
-    def __init__(self, nc, layout: KVLayout, *, bucket: str = PREFIX_BUCKET, ttl_s: float = DEFAULT_PREFIX_TTL_S,
-                 timeout: float = 5.0):
+    def __init__(self, nc, layout: KVLayout, *, bucket: str = Buckets.prefix("default"),
+                 ttl_s: float = DEFAULT_PREFIX_TTL_S, timeout: float = 5.0):
         self.nc, self.layout, self.bucket, self.ttl_s, self.timeout = nc, layout, bucket, ttl_s, timeout
         self._store = None
 

@@ -5,48 +5,64 @@ token streams, cancellations, failure records, and worker load reports (which do
 heartbeats and as the registry). KV bytes travel a direct data path (see `kvtransfer.tcp_send`
 and `kvtransfer.tcp_server`) whose frames are described in `kvtransfer.frames`.
 
-Versioning: every subject starts with `pdserve.v1`; every message carries `v` (the protocol
+Versioning: every subject starts with `pdserve.v2`; every message carries `v` (the protocol
 version). A receiver refuses a message of a version it does not speak with an explicit error.
+The version is in every subject's prefix, not only in the messages: processes of two versions
+then never see each other, where two subject layouts on one server would leave a request waiting
+for its timeout.
 
-Subjects (`{s}` is the deployment scope — see LoadReport.scope —, `{m}` the served model name,
-`{w}` a worker id, `{r}` a request id):
+Isolation: `{s}` (the deployment scope as one subject token, see `scope_token`) is the fourth token
+of every subject, so one NATS permission, `pdserve.v2.*.{s}.>`, confines a deployment to its own
+traffic (`permissions` writes it out, with the per-scope inbox and object-store buckets). Each
+process sets `inbox_prefix(scope)` as its reply inbox, so no other deployment may read its replies.
+
+Subjects (`{s}` the deployment scope — see LoadReport.scope —, `{m}` the served model name,
+`{w}` a worker id, `{r}` a request id, `{t}` a one-time transfer token):
 
 | subject                                  | from → to        | message                      |
 |------------------------------------------|------------------|------------------------------|
-| pdserve.v1.prefill.{s}.{m} (queue)       | front → prefill  | PrefillRequest → Ack         |
-| pdserve.v1.prefill.{s}.{m}.w.{w}         | front → prefill  | PrefillRequest → Ack (routed |
+| pdserve.v2.prefill.{s}.{m} (queue)       | front → prefill  | PrefillRequest → Ack         |
+| pdserve.v2.prefill.{s}.{m}.w.{w}         | front → prefill  | PrefillRequest → Ack (routed |
 |                                          |                  | to the worker holding the    |
 |                                          |                  | longest cached prefix)       |
-| pdserve.v1.preposition.{s}.{w}           | front → prefill  | PrepositionHint (fire and    |
+| pdserve.v2.preposition.{s}.{w}           | front → prefill  | PrepositionHint (fire and    |
 |                                          |                  | forget)                      |
-| pdserve.v1.decode.{s}.{w}.handoff        | prefill → decode | HandoffOffer → HandoffReply  |
-| pdserve.v1.stream.{r}                    | workers → front  | StreamEvent (tokens/errors)  |
-| pdserve.v1.cancel.{r}                    | front → workers  | Cancel                       |
-| pdserve.v1.load.{role}.{w}               | worker → all     | LoadReport (1 Hz; heartbeat) |
-| pdserve.v1.bye.{role}.{w}                | worker → all     | LoadReport (clean shutdown)  |
-| pdserve.v1.kv.{t}.data                   | prefill → decode | KV frames (NATS-chunked and  |
+| pdserve.v2.decode.{s}.{w}.handoff        | prefill → decode | HandoffOffer → HandoffReply  |
+| pdserve.v2.stream.{s}.{r}                | workers → front  | StreamEvent (tokens/errors)  |
+| pdserve.v2.cancel.{s}.{r}                | front → workers  | Cancel                       |
+| pdserve.v2.load.{s}.{role}.{w}           | worker → all     | LoadReport (1 Hz; heartbeat) |
+| pdserve.v2.bye.{s}.{role}.{w}            | worker → all     | LoadReport (clean shutdown)  |
+| pdserve.v2.kv.{s}.data.{t}               | prefill → decode | KV frames (NATS-chunked and  |
 |                                          |                  | object-store transports)     |
-| pdserve.v1.kv.failed.{r}                 | either side → all| TransferFailed               |
+| pdserve.v2.kv.{s}.failed.{r}             | either side → all| TransferFailed               |
+| pdserve.v2.draft.{s}.{m} (queue)         | decode → pool    | DraftRequest → DraftReply    |
+| pdserve.v2.draft.{s}.{m}.report          | decode → pools   | DraftReport (fire and forget)|
 
-`{t}` is a one-time transfer token. KV transports (`HandoffOffer.transports`, chosen in
-`HandoffReply.transport`): "shm" (same host), "tcp" (direct stream), "nats" (chunked messages on
-`kv.{t}.data`, the fallback that always works), "objstore" (the JetStream object store, the offload
-tier). See `kvtransfer.channel`.
+Object-store buckets (`Buckets`) are per scope too: `pdserve-kv-{s}` (the objstore transport) and
+`pdserve-prefix-{s}` (the prefix offload tier; per scope, so one deployment cannot probe which
+prompts another has seen).
+
+KV transports (`HandoffOffer.transports`, chosen in `HandoffReply.transport`): "shm" (same host),
+"tcp" (direct stream), "nats" (chunked messages on `kv.{s}.data.{t}`, the fallback that always
+works), "objstore" (the JetStream object store, the offload tier). See `kvtransfer.channel`.
 """
 from __future__ import annotations
 
+import string
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
 from pdserve.basetypes import KVLayout, SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 PREFIX = f"pdserve.v{PROTOCOL_VERSION}"
 PREFILL_QUEUE_GROUP = "prefill"
 
 Role = Literal["prefill", "decode", "front", "draft"]
+
+_SUBJECT_SAFE = frozenset(string.ascii_letters + string.digits + "-_")
 
 
 class ProtocolError(ValueError):
@@ -54,16 +70,42 @@ class ProtocolError(ValueError):
 
 
 def _safe_token(s: str) -> str:
-    # Subject tokens may not contain '.', '*', '>' or whitespace.
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in s)
+    # Subject tokens may not contain '.', '*', '>' or whitespace; bucket names allow ASCII letters,
+    # digits, '-' and '_' only, so everything else becomes '_'.
+    return "".join(c if c in _SUBJECT_SAFE else "_" for c in s) or "_"
+
+
+def scope_token(scope: str) -> str:
+    """The deployment scope as it appears in subjects, inbox prefixes and bucket names.
+
+    In Kubernetes a scope is "namespace.name": both DNS labels (no '_'), so the mapping is one to one."""
+    return _safe_token(scope)
+
+
+def inbox_prefix(scope: str) -> str:
+    """The reply inbox prefix of a deployment's processes (nats-py's `inbox_prefix`)."""
+    return f"_INBOX.{scope_token(scope)}"
+
+
+class Buckets:
+    """JetStream object-store buckets, one of each per deployment scope."""
+
+    @staticmethod
+    def kv_transfer(scope: str) -> str:
+        return f"pdserve-kv-{scope_token(scope)}"
+
+    @staticmethod
+    def prefix(scope: str) -> str:
+        return f"pdserve-prefix-{scope_token(scope)}"
 
 
 class Subjects:
-    """Subject names. Model names and ids are sanitised into single subject tokens."""
+    """Subject names. Every one carries the deployment scope as its fourth token; model names and ids
+    are sanitised into single subject tokens."""
 
     @staticmethod
     def prefill(scope: str, model: str) -> str:
-        return f"{PREFIX}.prefill.{_safe_token(scope)}.{_safe_token(model)}"
+        return f"{PREFIX}.prefill.{scope_token(scope)}.{_safe_token(model)}"
 
     @staticmethod
     def prefill_worker(scope: str, model: str, worker_id: str) -> str:
@@ -72,49 +114,105 @@ class Subjects:
 
     @staticmethod
     def preposition(scope: str, worker_id: str) -> str:
-        return f"{PREFIX}.preposition.{_safe_token(scope)}.{_safe_token(worker_id)}"
+        return f"{PREFIX}.preposition.{scope_token(scope)}.{_safe_token(worker_id)}"
 
     @staticmethod
     def decode_handoff(scope: str, worker_id: str) -> str:
-        return f"{PREFIX}.decode.{_safe_token(scope)}.{_safe_token(worker_id)}.handoff"
+        return f"{PREFIX}.decode.{scope_token(scope)}.{_safe_token(worker_id)}.handoff"
 
     @staticmethod
-    def stream(request_id: str) -> str:
-        return f"{PREFIX}.stream.{_safe_token(request_id)}"
+    def stream(scope: str, request_id: str) -> str:
+        return f"{PREFIX}.stream.{scope_token(scope)}.{_safe_token(request_id)}"
 
     @staticmethod
-    def cancel(request_id: str) -> str:
-        return f"{PREFIX}.cancel.{_safe_token(request_id)}"
-
-    CANCEL_ALL = f"{PREFIX}.cancel.*"
+    def cancel(scope: str, request_id: str) -> str:
+        return f"{PREFIX}.cancel.{scope_token(scope)}.{_safe_token(request_id)}"
 
     @staticmethod
-    def load(role: str, worker_id: str) -> str:
-        return f"{PREFIX}.load.{role}.{_safe_token(worker_id)}"
-
-    LOAD_ALL = f"{PREFIX}.load.>"
+    def cancel_all(scope: str) -> str:
+        return f"{PREFIX}.cancel.{scope_token(scope)}.*"
 
     @staticmethod
-    def bye(role: str, worker_id: str) -> str:
-        return f"{PREFIX}.bye.{role}.{_safe_token(worker_id)}"
-
-    BYE_ALL = f"{PREFIX}.bye.>"
+    def load(scope: str, role: str, worker_id: str) -> str:
+        return f"{PREFIX}.load.{scope_token(scope)}.{_safe_token(role)}.{_safe_token(worker_id)}"
 
     @staticmethod
-    def kv_data(transfer_token: str) -> str:
-        return f"{PREFIX}.kv.{_safe_token(transfer_token)}.data"
+    def load_all(scope: str) -> str:
+        return f"{PREFIX}.load.{scope_token(scope)}.>"
 
     @staticmethod
-    def kv_failed(request_id: str) -> str:
-        return f"{PREFIX}.kv.failed.{_safe_token(request_id)}"
+    def bye(scope: str, role: str, worker_id: str) -> str:
+        return f"{PREFIX}.bye.{scope_token(scope)}.{_safe_token(role)}.{_safe_token(worker_id)}"
 
-    KV_FAILED_ALL = f"{PREFIX}.kv.failed.*"
+    @staticmethod
+    def bye_all(scope: str) -> str:
+        return f"{PREFIX}.bye.{scope_token(scope)}.>"
+
+    # Every deployment's load reports and goodbyes: the metrics adapter's view (see `scope_of`).
+    LOAD_ANY = f"{PREFIX}.load.>"
+    BYE_ANY = f"{PREFIX}.bye.>"
+
+    @staticmethod
+    def kv_data(scope: str, transfer_token: str) -> str:
+        return f"{PREFIX}.kv.{scope_token(scope)}.data.{_safe_token(transfer_token)}"
+
+    @staticmethod
+    def kv_failed(scope: str, request_id: str) -> str:
+        return f"{PREFIX}.kv.{scope_token(scope)}.failed.{_safe_token(request_id)}"
+
+    @staticmethod
+    def kv_failed_all(scope: str) -> str:
+        return f"{PREFIX}.kv.{scope_token(scope)}.failed.*"
+
+    @staticmethod
+    def draft(scope: str, model: str) -> str:
+        """The draft pool's request subject for a model's drafts (a queue group: one pool replica answers)."""
+        return f"{PREFIX}.draft.{scope_token(scope)}.{_safe_token(model)}"
+
+    @staticmethod
+    def draft_report(scope: str, model: str) -> str:
+        """Where decode workers report finished requests' tokens to every draft pool replica."""
+        return f"{Subjects.draft(scope, model)}.report"
+
+    @staticmethod
+    def scope_of(subject: str) -> str | None:
+        """The scope token of a pdserve subject (the fourth token), or None for another subject."""
+        parts = subject.split(".")
+        return parts[3] if len(parts) > 4 and f"{parts[0]}.{parts[1]}" == PREFIX else None
+
+
+def permissions(scope: str) -> dict:
+    """NATS permissions that confine a deployment's processes to their own scope.
+
+    Publish and subscribe on `pdserve.v2.*.{s}.>`; replies only to requests received
+    (`allow_responses`); its own inbox; and the JetStream API, object-store and flow-control subjects
+    of its own two buckets (streams `OBJ_<bucket>`), nothing else of JetStream but the list of stream
+    names. In the NATS server
+    config's shape: `{"publish": {"allow": [...]}, "subscribe": {"allow": [...]}, "allow_responses": true}`."""
+    own = f"{PREFIX}.*.{scope_token(scope)}.>"
+    # STREAM.NAMES: nats-py finds an object's stream by subject before it reads one. It shows stream
+    # names (other deployments' bucket names, so their scopes), never a stream's contents.
+    publish, subscribe = [own, "$JS.API.STREAM.NAMES"], [own, f"{inbox_prefix(scope)}.>"]
+    for bucket in (Buckets.kv_transfer(scope), Buckets.prefix(scope)):
+        stream = f"OBJ_{bucket}"
+        publish += [f"$JS.API.STREAM.*.{stream}", f"$JS.API.STREAM.*.*.{stream}",
+                    f"$JS.API.CONSUMER.*.{stream}", f"$JS.API.CONSUMER.*.{stream}.>",
+                    f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
+                    f"$O.{bucket}.>", f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+    return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}, "allow_responses": True}
+
+
+def observer_permissions() -> dict:
+    """NATS permissions of the metrics adapter: every deployment's load reports and goodbyes, read only."""
+    return {"publish": {"deny": [">"]}, "subscribe": {"allow": [Subjects.LOAD_ANY, Subjects.BYE_ANY]}}
 
 
 class Message(BaseModel):
-    """Base of every control message: versioned, strict about unknown fields."""
+    """Base of every control message: versioned, strict about unknown fields, no NaN or infinity (a
+    load of NaN would poison the router's and the autoscaler's arithmetic); counts and sizes are
+    non-negative."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
@@ -143,7 +241,7 @@ class LoadReport(Message):
     role: Role
     model: str
     model_fingerprint: str = ""
-    generation: int = 0  # incarnation of this worker id; a handoff from an older one is refused
+    generation: NonNegativeInt = 0  # incarnation of this worker id; a handoff from an older one is refused
     time_unix_s: float = Field(default_factory=time.time)
     # Kubernetes identity: the worker's --isvc / --pool settings, POD_NAME / POD_NAMESPACE from the downward API.
     isvc: str | None = None
@@ -152,15 +250,15 @@ class LoadReport(Message):
     namespace: str | None = None
     data_addr: str | None = None  # "host:port" of the worker's direct KV data server
     # Load. Prefill: queue of prompts not yet started. Decode: sequences running/waiting.
-    queue_depth: int = 0
+    queue_depth: NonNegativeInt = 0
     queue_wait_seconds: float = 0.0
-    running: int = 0
-    waiting: int = 0
+    running: NonNegativeInt = 0
+    waiting: NonNegativeInt = 0
     kv_utilization: float = 0.0  # 0..1 of the worker's KV capacity in use
-    kv_bytes_used: int = 0
-    kv_bytes_capacity: int = 0
-    transfer_backlog_handoffs: int = 0
-    transfer_backlog_bytes: int = 0
+    kv_bytes_used: NonNegativeInt = 0
+    kv_bytes_capacity: NonNegativeInt = 0
+    transfer_backlog_handoffs: NonNegativeInt = 0
+    transfer_backlog_bytes: NonNegativeInt = 0
     ttft_seconds: float = 0.0  # recent mean, prefill side
     itl_seconds: float = 0.0  # recent mean inter-token latency, decode side
     tokens_per_second: float = 0.0
@@ -169,11 +267,11 @@ class LoadReport(Message):
     # Prefill: prompt tokens accepted but not yet computed (the router's load signal), and the
     # prefix cache's contents — `basetypes.announced()` addresses of cached full blocks of `block_size`
     # tokens, most recently used first, at most a few thousand.
-    queue_tokens: int = 0
-    block_size: int = 0
+    queue_tokens: NonNegativeInt = 0
+    block_size: NonNegativeInt = 0
     cached_blocks: list[str] = Field(default_factory=list)
-    preposition_hits: int = 0
-    preposition_computed: int = 0
+    preposition_hits: NonNegativeInt = 0
+    preposition_computed: NonNegativeInt = 0
     # The deployment this worker belongs to (an InferenceService: "namespace.name"; locally, one
     # `pdserve up`). Prefill queues and handoff subjects are per scope, so two deployments of the
     # same model on one NATS never take each other's requests.
@@ -223,15 +321,15 @@ class HandoffOffer(Message):
 
     request_id: str
     sender_id: str
-    sender_generation: int
+    sender_generation: NonNegativeInt
     layout: KVLayout
-    num_tokens: int
-    kv_bytes: int
+    num_tokens: NonNegativeInt
+    kv_bytes: NonNegativeInt
     prompt_token_ids: list[int]
-    generated_token_ids: list[int]  # what prefill already produced (the first token)
+    generated_token_ids: list[int]  # what prefill already produced (the first token; none when n > 1)
     sampling: SamplingParams
     seed: int
-    next_seq: int  # sequence number of the next StreamEvent
+    next_seq: NonNegativeInt  # sequence number of the next StreamEvent
     failure_policy: FailurePolicy = "recompute"
     spec: dict | None = None
     # KV transport negotiation (all optional: an offer without them means direct TCP, uncompressed).
@@ -269,7 +367,7 @@ class TransferFailed(Message):
     side: Literal["sender", "receiver"]
     transport: str
     reason: str
-    bytes_done: int = 0
+    bytes_done: NonNegativeInt = 0
     time_unix_s: float = Field(default_factory=time.time)
 
 
@@ -280,25 +378,50 @@ class Usage(BaseModel):
     spec_accepted_tokens: int = 0
 
 
+LOGPROB_FLOOR = -9999.0  # what a zero-probability token reports (vLLM reports the same)
+
+
+class TokenLogprob(BaseModel):
+    """One generated token's raw model logprob (log-softmax of the logits before any sampling
+    option), and the `top` most likely tokens at its position with theirs, most likely first."""
+
+    logprob: float
+    top_ids: list[int] = Field(default_factory=list)
+    top_logprobs: list[float] = Field(default_factory=list)
+
+    @field_validator("logprob", "top_logprobs")
+    @classmethod
+    def _finite(cls, v):
+        """A token the model gives zero probability has logprob -inf, which JSON cannot carry (it
+        would travel as null and the event would be refused): floor it at LOGPROB_FLOOR, as vLLM's
+        OpenAI server does, so clients see a number."""
+        if isinstance(v, list):
+            return [max(x, LOGPROB_FLOOR) for x in v]
+        return max(v, LOGPROB_FLOOR)
+
+
 class StreamEvent(Message):
-    """workers → front on `stream.{request_id}`, in `seq` order.
+    """workers → front on `stream.{request_id}`, in `seq` order (one sequence for all of a request's choices).
 
     kind: "token" (text delta + ids), "handoff" (responsibility moves to decode; KV stats),
-    "done" (finish_reason + usage), "error" (message, type, http status).
+    "done" (finish_reason + usage), "error" (message, type, http status). `index`: the choice a
+    token or done event belongs to (0..n-1; with n > 1 the request is done when every choice is).
     """
 
     request_id: str
-    seq: int
+    seq: NonNegativeInt
     kind: Literal["token", "handoff", "done", "error"]
     worker_id: str
+    index: int = 0
     token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when the request asked for them
     text: str = ""
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
     error_type: str | None = None
     status: int | None = None
-    kv_bytes: int | None = None
+    kv_bytes: NonNegativeInt | None = None
     kv_seconds: float | None = None
     cached_tokens: int | None = None  # first token event: prompt tokens served from the prefix cache
     prepositioned: bool | None = None  # … of which some were computed ahead by pre-positioning
@@ -307,3 +430,34 @@ class StreamEvent(Message):
 class Cancel(Message):
     request_id: str
     reason: str = "client went away"
+
+
+class DraftRequest(Message):
+    """decode → draft pool: propose up to `k` tokens to follow `tail` (the last tokens of the request's
+    prompt + output), from text of `tenant` only. A pool drops a request that waited past `timeout_ms`."""
+
+    request_id: str
+    tenant: str
+    tail: list[int] = Field(max_length=1024)
+    k: int = Field(ge=1, le=64)
+    timeout_ms: float = Field(gt=0)
+
+
+class DraftReply(Message):
+    """draft pool → decode: `token_ids` (maybe empty) follow an earlier occurrence of the tail's last
+    `match_len` tokens; `batch_size`: requests the pool answered in the same pass; `overloaded`: the pool
+    shed this request (ask again later)."""
+
+    request_id: str
+    token_ids: list[int]
+    match_len: int = 0
+    batch_size: int = 1
+    overloaded: bool = False
+
+
+class DraftReport(Message):
+    """decode → draft pools: a finished request's tokens (prompt + output) join `tenant`'s index."""
+
+    request_id: str
+    tenant: str
+    token_ids: list[int]

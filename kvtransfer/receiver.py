@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -26,6 +27,11 @@ from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.shm import Lease
 
 log = logging.getLogger("pdserve.kvtransfer.receiver")
+
+
+class TokenRefused(TransferError):
+    """A HELLO whose token names no transfer this receiver waits for (unknown, over, or already presented):
+    the connection is refused, and no agreed transfer is touched by it."""
 
 
 class Assembly:
@@ -181,6 +187,7 @@ class Expected:
     compression: str = "none"
     layer_queue: asyncio.Queue | None = None  # set by `layers()`: complete layers as they arrive
     cleanup: list = field(default_factory=list)  # callables run when the transfer ends, however it ends
+    claimed: bool = False  # a sender presented the token in a HELLO: it admits no second one
 
 
 class Receiver:
@@ -196,6 +203,7 @@ class Receiver:
         self.layout = layout
         self.stall_timeout = stall_timeout
         self._expected: dict[str, Expected] = {}
+        self._claims = threading.Lock()  # transports check HELLOs on worker threads: one claim per token
         self.bytes_received = 0
 
     def expected(self, token: str) -> Expected:
@@ -295,19 +303,22 @@ class Receiver:
         try:
             return self.begin_from_thread(header, transport, asyncio.get_running_loop())
         except (TransferError, LayoutMismatch) as e:
-            if header.transfer_token in self._expected:
+            if not isinstance(e, TokenRefused) and header.transfer_token in self._expected:
                 self.fail(header.transfer_token, str(e))
             raise
 
     def begin_from_thread(self, header: TransferHeader, transport: str,
                           loop: asyncio.AbstractEventLoop) -> tuple[Expected, Assembly]:
         """`begin` without failing the transfer: safe in a worker thread (it only reads loop state); the
-        thread tells the loop the outcome (`fail`, `deliver`)."""
-        exp = self._expected.get(header.transfer_token)
-        if exp is None:
-            raise TransferError("unknown or expired transfer token")
-        if exp.future.done():
-            raise TransferError("transfer token already used")
+        thread tells the loop the outcome (`fail`, `deliver`). A token is admitted once: TokenRefused for
+        one that is unknown or was already presented (the transfer it names is left alone)."""
+        with self._claims:
+            exp = self._expected.get(header.transfer_token)
+            if exp is None:
+                raise TokenRefused("unknown or expired transfer token")
+            if exp.claimed or exp.future.done():
+                raise TokenRefused("transfer token already used")
+            exp.claimed = True  # one-time: a replay, or a second connection racing this one, is refused
         self._check_header(exp, header, transport)
 
         def on_layer(i: int, t: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ from pdserve.kvtransfer.frames import (
     ACK, CHUNK, END, FOLLOWS, GRANT, HEADER, HELLO, MAX_CHUNK, MAX_CONTROL_FRAME, PIECE_BYTES, SHM, TCHUNK, TRAILER,
     ZCHUNK, TransferError, TransferHeader, crc32, frame, parse_header,
 )
-from pdserve.kvtransfer.receiver import Assembly, Receiver
+from pdserve.kvtransfer.receiver import Assembly, Receiver, TokenRefused
 from pdserve.kvtransfer.shm import SHM_DIR, Lease, ShmPool, sweep_stale_segments
 from pdserve.kvtransfer.sockio import IO_POOL, STALLED, io_timeout, recv_exact
 
@@ -177,7 +177,7 @@ class KVReceiver(Receiver):
             reason = str(e) if isinstance(e, (TransferError, LayoutMismatch)) else f"receiver error: {e!r}"
             for lease in leases:
                 lease.discard()  # the sender may still write into it: never reused
-            if token is not None:
+            if token is not None and not isinstance(e, TokenRefused):  # a refused token's transfer is not ours
                 _tell(loop, self.fail, token, reason)
             log.warning("kv transfer refused: %s", reason)
             self._refuse(sock, reason)

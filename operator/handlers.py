@@ -9,7 +9,9 @@
 - Deployment events of our children -> InferenceService status, and prefill HPA bounds when a
   prefill:decode ratio is set;
 - validating admission webhook -> `validation.validate` (same function the reconciler uses);
-- delete -> nothing to do: every child has an owner reference, the garbage collector removes them.
+- delete -> the garbage collector removes the children (every one has an owner reference); the
+  chart's NATS server forgets the InferenceService's user (`natsusers`), at once when the operator
+  sees the deletion, else at its next start.
 
 A child the API server refuses is never retried in silence: the InferenceService turns Degraded
 with the server's reason and message, and a Warning event says the same. A refusal that only a
@@ -33,6 +35,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -41,6 +44,7 @@ from kubernetes import client, config as kconfig
 from pdserve.config import OperatorSettings, from_environ
 
 from .crd import GROUP, KIND, PLURAL, VERSION, apply_defaults, crd
+from . import natsusers
 from .kube import Kube
 from .reconcile import POOLS, OperatorConfig, autoscaled, compute_status, desired_children, prefill_bounds_for_ratio
 from .validation import validate
@@ -101,10 +105,16 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Lo
         apply_crd(kube, logger)
     hpa = "autoscaling/v2" if "v2" in kube.served_versions("autoscaling") else "autoscaling/v2beta2"
     pdb = "policy/v1" if "v1" in kube.served_versions("policy") else "policy/v1beta1"
+    nats_ns = opts.nats_secret_namespace or opts.own_namespace or "default"
+    memo.nats_users = (nats_ns, opts.nats_users_secret) if opts.nats_users_secret else None
     memo.base_config = OperatorConfig(image=opts.image, nats_url=opts.nats_url, hpa_api_version=hpa,
-                                      pdb_api_version=pdb)
-    memo.nats_secret = ((opts.nats_secret_namespace or opts.own_namespace or "default", opts.nats_secret)
-                        if opts.nats_secret else None)
+                                      pdb_api_version=pdb, nats_users=memo.nats_users is not None,
+                                      metrics_scraper_namespace=opts.metrics_scraper_namespace,
+                                      nats_tls_ca=Path(opts.nats_tls_ca).read_text() if opts.nats_tls_ca else None)
+    # with a user per InferenceService the chart's credentials are the metrics adapter's, never copied
+    memo.nats_secret = (nats_ns, opts.nats_secret) if opts.nats_secret and not memo.nats_users else None
+    if memo.nats_users:
+        natsusers.sync(kube, memo.nats_users, None, None)  # users of InferenceServices deleted meanwhile
     logger.info(f"pdserve operator: HPA {hpa}, PDB {pdb}, NATS {opts.nats_url}")
     if opts.webhook_cert and opts.webhook_key:
         settings.admission.server = kopf.WebhookServer(addr=opts.webhook_addr, port=opts.webhook_port,
@@ -123,7 +133,7 @@ async def _no_admission_server(fn: Any) -> Any:
 def _config(memo: kopf.Memo) -> OperatorConfig:
     """The operator config with the chart's NATS credentials read now (they may rotate)."""
     base: OperatorConfig = memo.base_config
-    if not memo.nats_secret:
+    if not getattr(memo, "nats_secret", None):
         return base
     ns, name = memo.nats_secret
     secret = memo.kube.get("v1", "Secret", ns, name)
@@ -132,6 +142,29 @@ def _config(memo: kopf.Memo) -> OperatorConfig:
     data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
     return OperatorConfig(**{**base.__dict__, "nats_credentials": {"user": data.get("user", ""),
                                                                    "password": data.get("password", "")}})
+
+
+def _nats_user(kube: Kube, memo: kopf.Memo, body: dict, cfg: OperatorConfig) -> str | None:
+    """The password of the InferenceService's own NATS user (kept from its Secret, else new), made
+    known to the NATS server first; None where the chart's NATS has no user per InferenceService."""
+    m = body["metadata"]
+    if not memo.nats_users or not _uses_own_nats_user(body, cfg):
+        return None
+    secret = kube.get("v1", "Secret", m["namespace"], f"{m['name']}-nats")
+    owned = secret is not None and _owned_by(secret, m["uid"])
+    password = (natsusers.existing_password(secret, natsusers.user_name(m["namespace"], m["name"]))
+                if owned else None) or natsusers.new_password()
+    try:
+        natsusers.sync(kube, memo.nats_users, body, password)
+    except (RuntimeError, client.ApiException) as e:
+        raise kopf.TemporaryError(f"cannot give {m['namespace']}/{m['name']} a NATS user: "
+                                  f"{e if isinstance(e, RuntimeError) else _server_message(e)}", delay=10)
+    return password
+
+
+def _uses_own_nats_user(body: dict, cfg: OperatorConfig) -> bool:
+    nats = apply_defaults(body["spec"]).get("nats", {})
+    return cfg.nats_users and not nats.get("url") and not nats.get("credentialsSecret")
 
 
 def _owned_by(obj: dict, uid: str) -> bool:
@@ -220,7 +253,7 @@ def _reconcile(body: dict, memo: kopf.Memo, logger: logging.Logger) -> None:
     cfg = _config(memo)
     decode = kube.get("apps/v1", "Deployment", ns, f"{name}-decode") if autoscaled(body["spec"], "decode") else None
     observed = {"decode": decode["spec"]["replicas"]} if decode else {}
-    children = desired_children(body, cfg, observed)
+    children = desired_children(body, cfg, observed, nats_password=_nats_user(kube, memo, body, cfg))
     refused: list[Refusal] = []
     for child in children:
         pool = child["metadata"]["labels"].get("app.kubernetes.io/component")
@@ -254,6 +287,16 @@ def _reconcile(body: dict, memo: kopf.Memo, logger: logging.Logger) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", backoff=10)
 def on_change(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     reconcile(_plain(body), memo, logger)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def on_event(event: dict, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """The NATS server forgets the user of a deleted InferenceService. A watch event, not a deletion
+    handler: kopf runs those only behind a finalizer, and an InferenceService must stay deletable with
+    the operator gone (one deleted meanwhile loses its user at the operator's next start)."""
+    if event.get("type") == "DELETED" and getattr(memo, "nats_users", None) \
+            and natsusers.sync(memo.kube, memo.nats_users, None, None):
+        logger.info("NATS user of a deleted InferenceService removed")
 
 
 def _plain(body: Any) -> dict:

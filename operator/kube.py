@@ -17,7 +17,7 @@ PLURALS = {
     "Deployment": "deployments", "Service": "services", "Secret": "secrets",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers", "PodDisruptionBudget": "poddisruptionbudgets",
     "InferenceService": "inferenceservices", "Event": "events", "Pod": "pods",
-    "ServiceAccount": "serviceaccounts", "CustomResourceDefinition": "customresourcedefinitions",
+    "ServiceAccount": "serviceaccounts", "NetworkPolicy": "networkpolicies", "CustomResourceDefinition": "customresourcedefinitions",
 }
 FIELD_MANAGER = "pdserve-operator"
 

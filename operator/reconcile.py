@@ -10,8 +10,14 @@ Children of an InferenceService `<n>` (all with an owner reference to it and app
   Service    <n>-decode                headless: stable DNS for decode pods' data/metrics ports
   HPA        <n>-prefill, <n>-decode   Pods-type custom metrics (autoscaling/v2 or v2beta2)
   PDB        <n>-prefill, <n>-decode   policy/v1 or policy/v1beta1
-  Secret     <n>-nats                  copy of the chart's NATS credentials (pods cannot read
-                                       a Secret in another namespace); only when the spec names none
+  NetworkPolicy <n>-workers            ingress to the workers: data and metrics ports from the
+                                       InferenceService's own pods (metrics also from the scraper's
+                                       namespace, when the chart names one), nothing else
+  NetworkPolicy <n>-front              ingress to the front: its HTTP port, from anywhere
+  Secret     <n>-nats                  its NATS credentials, when the spec names none: its own user,
+                                       confined to its scope (`natsusers`), or with an external NATS
+                                       a copy of the chart's (pods cannot read a Secret in another
+                                       namespace); and the NATS server's CA when NATS speaks TLS
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from pdserve.autoscale.policy import prefill_range
 from pdserve.config import COMMANDS, OperatorSettings, Settings, options, to_args
 
 from .crd import GROUP, KIND, VERSION, apply_defaults
+from .natsusers import user_name
 
 MODELS_DIR = "/models"
 METRICS_PORT = 9100
@@ -48,9 +55,14 @@ class OperatorConfig:
     # The chart's NATS credentials ({"user": ..., "password": ...}, plain text), copied into
     # the InferenceService's namespace; None when NATS runs without the chart's secret.
     nats_credentials: dict[str, str] | None = None
+    # The chart's NATS server gives each InferenceService a user of its own (`natsusers`): its
+    # password is then desired_children's `nats_password`, and the chart's credentials are not copied.
+    nats_users: bool = False
+    nats_tls_ca: str | None = None  # PEM of the CA that signs the NATS server's certificate (TLS to NATS)
     hpa_api_version: str = "autoscaling/v2"
     pdb_api_version: str = "policy/v1"
     cluster_domain: str = "cluster.local"
+    metrics_scraper_namespace: str | None = None  # where the Prometheus that scrapes workers' /metrics runs
 
 
 def labels(name: str, component: str | None = None) -> dict[str, str]:
@@ -96,9 +108,25 @@ def _nats_secret(body: dict, spec: dict, config: OperatorConfig) -> tuple[str, s
     ref = spec.get("nats", {}).get("credentialsSecret")
     if ref:
         return ref["name"], ref.get("userKey", "user"), ref.get("passwordKey", "password")
-    if config.nats_credentials and not spec.get("nats", {}).get("url"):
+    if _own_nats_secret(spec, config):
         return f"{body['metadata']['name']}-nats", "user", "password"
     return None
+
+
+def _own_nats_secret(spec: dict, config: OperatorConfig) -> bool:
+    """Whether the operator writes the InferenceService's NATS Secret: it uses the chart's NATS and
+    names no credentials of its own."""
+    nats = spec.get("nats", {})
+    return (bool(config.nats_credentials) or config.nats_users) and not nats.get("url") \
+        and not nats.get("credentialsSecret")
+
+
+NATS_CA_DIR = "/etc/pdserve/nats"
+
+
+def _nats_ca(spec: dict, config: OperatorConfig) -> bool:
+    """Whether the pods get the NATS server's CA (in the operator's Secret, key ca.crt)."""
+    return bool(config.nats_tls_ca) and _own_nats_secret(spec, config)
 
 
 def binary_bytes(quantity: str) -> int:
@@ -136,9 +164,12 @@ def settings(body: dict, spec: dict, config: OperatorConfig, pool: str) -> Setti
     spec: the defaulted InferenceService spec. pool: "prefill", "decode" or "front". Raises
     pydantic's ValidationError when the spec asks for a value the pool's settings refuse."""
     t, pc = spec["kvTransfer"], spec.get("prefixCache") or {}
+    nats: dict[str, Any] = {"url": spec.get("nats", {}).get("url") or config.nats_url}
+    if _nats_ca(spec, config):
+        nats["tls_ca"] = f"{NATS_CA_DIR}/ca.crt"
     values: dict[str, Any] = dict(
         model=f"{MODELS_DIR}/{spec['model']['path'].lstrip('/')}", served_model_name=served_model_name(body, spec),
-        isvc=body["metadata"]["name"], pool=pool, nats={"url": spec.get("nats", {}).get("url") or config.nats_url})
+        isvc=body["metadata"]["name"], pool=pool, nats=nats)
     if pool == "front":
         values.update(host="0.0.0.0", port=spec["serving"]["port"], kv_failure_policy=t["failurePolicy"],
                       preposition=pc.get("prepositioning", True), kv_dtype=spec["decode"]["kv"]["dtype"])
@@ -277,6 +308,10 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
     }
     if init:
         pod_spec["initContainers"] = init
+    if _nats_ca(spec, config):
+        volumes.append({"name": "nats-ca", "secret": {"secretName": f"{name}-nats",
+                                                      "items": [{"key": "ca.crt", "path": "ca.crt"}]}})
+        container["volumeMounts"].append({"name": "nats-ca", "mountPath": NATS_CA_DIR, "readOnly": True})
     if pool in POOLS:
         if pool_spec.get("nodeSelector"):
             pod_spec["nodeSelector"] = dict(pool_spec["nodeSelector"])
@@ -377,22 +412,61 @@ def _services(body: dict, spec: dict) -> list[dict]:
     return [front, decode]
 
 
-def desired_children(body: dict, config: OperatorConfig, observed: dict[str, int] | None = None) -> list[dict]:
+def _network_policies(body: dict, spec: dict, config: OperatorConfig) -> list[dict]:
+    """Why the operator and not the chart: the ports and pod labels are each InferenceService's own.
+    The workers take connections only from their own deployment's pods (prefill dials decode's data
+    port); the kubelet's probes come from the node, which NetworkPolicy does not govern. Egress stays
+    open: workers dial NATS and each other, wherever NATS runs."""
+    name = body["metadata"]["name"]
+    own = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": name}}}
+    data = sorted({spec[pool]["dataPort"] for pool in POOLS})
+    ingress = [{"from": [own], "ports": [{"protocol": "TCP", "port": p} for p in (*data, METRICS_PORT)]}]
+    if config.metrics_scraper_namespace:
+        scraper = {"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": config.metrics_scraper_namespace}}}
+        ingress.append({"from": [scraper], "ports": [{"protocol": "TCP", "port": METRICS_PORT}]})
+    workers = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(body, f"{name}-workers", None),
+        "spec": {"podSelector": {"matchLabels": own["podSelector"]["matchLabels"], "matchExpressions": [
+                     {"key": "app.kubernetes.io/component", "operator": "In", "values": list(POOLS)}]},
+                 "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+    front = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(body, f"{name}-front", "front"),
+        "spec": {"podSelector": {"matchLabels": selector_labels(name, "front")}, "policyTypes": ["Ingress"],
+                 "ingress": [{"ports": [{"protocol": "TCP", "port": spec["serving"]["port"]}]}]},
+    }
+    return [workers, front]
+
+
+def desired_children(body: dict, config: OperatorConfig, observed: dict[str, int] | None = None,
+                     nats_password: str | None = None) -> list[dict]:
     """All child objects one InferenceService should have, in apply order.
 
     body: the InferenceService (metadata.name/namespace/uid, spec). observed: current replica
-    counts per pool ({"decode": 3}) used only for the prefill:decode ratio bounds."""
+    counts per pool ({"decode": 3}) used only for the prefill:decode ratio bounds. nats_password:
+    its NATS user's password, where the chart's NATS has a user per InferenceService."""
     spec = apply_defaults(body["spec"])
     observed = observed or {}
     out: list[dict] = []
-    if _nats_secret(body, spec, config) and not spec.get("nats", {}).get("credentialsSecret"):
-        creds = config.nats_credentials or {}
+    if _own_nats_secret(spec, config):
+        m = body["metadata"]
+        if config.nats_users:
+            if not nats_password:
+                raise ValueError("an InferenceService's own NATS user needs its password")
+            creds = {"user": user_name(m["namespace"], m["name"]), "password": nats_password}
+        else:
+            creds = config.nats_credentials or {}
+        data = {k: creds.get(k, "") for k in ("user", "password")}
+        if config.nats_tls_ca:
+            data["ca.crt"] = config.nats_tls_ca
         out.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                    "metadata": _meta(body, f"{body['metadata']['name']}-nats", None),
-                    "data": {k: base64.b64encode(creds.get(k, "").encode()).decode() for k in ("user", "password")}})
+                    "metadata": _meta(body, f"{m['name']}-nats", None),
+                    "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}})
     for pool in (*POOLS, "front"):
         out.append(_deployment(body, spec, config, pool))
     out += _services(body, spec)
+    out += _network_policies(body, spec, config)
     for pool in POOLS:
         a = spec[pool]["autoscaling"]
         if a["enabled"]:

@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import array
 import hashlib
-
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # --- sampling ---------------------------------------------------------------------------------
 
 MAX_STOP_STRINGS = 8
+MAX_CHOICES = 16  # `n`: choices of one request, all sharing the prompt's KV
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default `max_logprobs`
 
 
 class SamplingParams(BaseModel):
     """What a request asks of generation. Validated at the edge (the front) and again by workers.
 
-    `temperature == 0` is greedy; `top_k == 0` and `top_p == 1` turn those filters off.
+    `temperature == 0` is greedy; `top_k == 0`, `top_p == 1` and `min_p == 0` turn those filters
+    off. The order of processing is vLLM's: the raw logits get the history-dependent processors
+    (`min_tokens`, the `response_format` mask, then the repetition, frequency and presence
+    penalties — `pdserve.processors`); greedy takes their argmax; sampling goes on with
+    temperature → min-p → top-k → top-p (`pdserve.kernels.spec_verify.process_logits`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -34,9 +39,19 @@ class SamplingParams(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)  # 0 = off
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # 0 = off
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)  # end generation like EOS (even with ignore_eos)
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)  # no EOS or stop token / stop string before this many tokens
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)  # prompt and output tokens; 1 = off
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # output tokens; 0 = off
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # output tokens; 0 = off
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # None: none; k: the token's and k alternatives
+    skip_special_tokens: bool = True
+    response_format: Literal["text", "json_object"] = "text"
 
     @field_validator("stop")
     @classmethod
@@ -47,9 +62,29 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
+        return v
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def history_dependent(self) -> bool:
+        """Whether a token's distribution depends on the tokens before it beyond the model's logits
+        (penalties, min_tokens, a format mask): then every position needs its own processing."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0 or self.response_format != "text")
 
 
 # --- how KV moves ---------------------------------------------------------------------------

@@ -40,14 +40,24 @@ def verification_randomness(seed: int, start: int, k: int, vocab: int) -> tuple[
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits `[n, vocab]` → the request's sampling distribution `[n, vocab]` (temperature → top-k → top-p)."""
+    """Logits `[n, vocab]` → the request's sampling distribution `[n, vocab]` (temperature → min-p → top-k → top-p)."""
     n = logits.shape[0]
     return process_logits(logits, torch.full((n,), params.temperature), torch.full((n,), params.top_k, dtype=torch.int32),
-                          torch.full((n,), params.top_p))
+                          torch.full((n,), params.top_p), torch.full((n,), params.min_p) if params.min_p else None)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded `seed` (n > 1): choice 0 keeps the request's
+    seed, so n = 1 samples as it always did, and each choice replays on its own."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/choice/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, position: int, seed: int) -> int:
-    """Pick generated token number `position` (0-based) from logits `[vocab]`.
+    """Pick generated token number `position` (0-based) from logits `[vocab]` (already through the
+    request's history-dependent processors, `pdserve.processors`, where it has any).
 
     Sampling is the exponential race argmax(p / E) with E ~ Exp(1) drawn from (seed, position):
     exactly a draw from p, and the same draw whichever path (plain or speculative) reaches the
@@ -63,16 +73,34 @@ class TextStream:
     """Generated token ids → text deltas, with stop strings and stop tokens.
 
     Text that could still become a stop string, or that ends in an incomplete UTF-8 sequence,
-    is held back until it is known not to be.
+    is held back until it is known not to be. `stop_token_ids` (and EOS unless `ignore_eos`) end
+    the stream without adding their text; stop strings count only after `min_tokens` tokens (as
+    vLLM's). Special tokens' text is left out with `skip_special_tokens`.
+
+    Incremental: each token decodes only a small window of the latest tokens, as vLLM's and
+    transformers' incremental detokenizers do. Tokens before `prefix` give the window its left
+    context (a SentencePiece word start decodes differently at a sequence's start); text of
+    tokens before `read` is settled. A window settles once its text ends in a whole character;
+    the text of the tokens so far is then `settled + window text past the prefix's`, equal to
+    decoding them all at once, and only a bounded tail of it is kept (what stop strings can
+    still reach), so a token costs O(window + longest stop string), not O(output).
     """
 
     def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: set[int], generated: list[int] | None = None):
         self.tokenizer = tokenizer
         self.params = params
-        self.eos = set() if params.ignore_eos else set(eos_token_ids)
+        self.eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.tokens: list[int] = []
-        self.emitted = ""
         self.finish_reason: str | None = None
+        self._prefix = self._read = 0  # window start; first token whose text is not settled
+        self._reach = max((len(s) for s in params.stop), default=0)
+        # Local coordinates: the output text is T, of which chars [0, base) are dropped; `_settled` is
+        # T[base:len(settled text)], `_emitted` is T[base:emitted], `_emitted_len` the whole length.
+        self._base = 0
+        self._settled = ""
+        self._settled_len = 0
+        self._emitted = ""
+        self._emitted_len = 0
         for t in generated or []:  # resume (decode continuing after prefill's first token)
             self.push(t)
 
@@ -80,40 +108,64 @@ class TextStream:
         """Add one generated token; return the text that can be shown now. Sets finish_reason when done."""
         if self.finish_reason:
             raise RuntimeError("push after finish")
+        self.tokens.append(token)
         if token in self.eos:
-            self.tokens.append(token)
             self.finish_reason = "stop"
             return self._flush(self._text(exclude_last=True))
-        self.tokens.append(token)
-        text = self._text()
-        for s in self.params.stop:
-            idx = text.find(s, max(0, len(self.emitted) - len(s)))
-            if idx != -1:
-                self.finish_reason = "stop"
-                return self._flush(text[:idx])
+        text = self._text()  # T[base:]
+        e = self._emitted_len - self._base
+        if len(self.tokens) > self.params.min_tokens:
+            for s in self.params.stop:
+                idx = text.find(s, max(0, e - len(s)))
+                if idx != -1:
+                    self.finish_reason = "stop"
+                    return self._flush(text[:idx])
         if len(self.tokens) >= self.params.max_tokens:
             self.finish_reason = "length"
             return self._flush(text)
         safe = len(text.rstrip("\ufffd"))
         hold = 0
-        for s in self.params.stop:  # hold back a tail that is a prefix of a stop string
-            for n in range(min(len(s) - 1, safe), 0, -1):
-                if text[safe - n : safe] == s[:n]:
-                    hold = max(hold, n)
-                    break
-        safe -= hold
-        return self._flush(text[:safe])
+        if len(self.tokens) > self.params.min_tokens:
+            for s in self.params.stop:  # hold back a tail that is a prefix of a stop string
+                for n in range(min(len(s) - 1, safe), 0, -1):
+                    if text[safe - n : safe] == s[:n]:
+                        hold = max(hold, n)
+                        break
+        return self._flush(text[: safe - hold])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def _text(self, exclude_last: bool = False) -> str:
-        ids = self.tokens[:-1] if exclude_last else self.tokens
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        """The output text from `base` on, of all tokens (but the last with `exclude_last`); settles the window."""
+        end = len(self.tokens) - exclude_last
+        if end <= self._read:
+            return self._settled  # nothing past the settled text
+        before = self._decode(self.tokens[self._prefix : self._read])
+        window = self._decode(self.tokens[self._prefix : end])
+        tail = window[len(before) :]
+        if len(window) > len(before) and not window.endswith("\ufffd") and not exclude_last:
+            self._settled += tail
+            self._settled_len += len(tail)
+            self._prefix, self._read = self._read, end
+            return self._settled
+        return self._settled + tail
 
     def _flush(self, text: str) -> str:
-        if not text.startswith(self.emitted):
+        """Emit `text` (output text from `base` on) past what was emitted, unless it no longer starts with it."""
+        e = self._emitted_len - self._base
+        if len(text) < e or text[:e] != self._emitted:
             # a re-tokenisation changed earlier text (rare); emit nothing until it settles
             return ""
-        delta = text[len(self.emitted) :]
-        self.emitted = text
+        delta = text[e:]
+        self._emitted += delta
+        self._emitted_len += len(delta)
+        # keep only what stop strings can still reach: the last `reach` emitted chars, never past the settled text
+        drop = min(self._emitted_len - self._reach, self._settled_len) - self._base
+        if drop > 0:
+            self._base += drop
+            self._settled = self._settled[drop:]
+            self._emitted = self._emitted[drop:]
         return delta
 
     @property

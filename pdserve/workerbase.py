@@ -76,7 +76,7 @@ class WorkerBase:
         self.runner = ModelRunner(resolve_model(args.model), dtype=resolve_dtype(args.dtype, args.device),
                                   device=args.device, block_size=args.block_size, served_name=args.served_model_name)
         self.model_name = self.runner.name
-        self.creds = NatsCredentials.from_config(args.nats)
+        self.creds = NatsCredentials.from_config(args.nats, scope=self.scope)
         self.registry = CollectorRegistry()
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-compute")
         self.nc: nats.NATS | None = None
@@ -125,7 +125,7 @@ class WorkerBase:
     async def _heartbeat(self) -> None:
         while not self._stop.is_set():
             try:
-                await self.nc.publish(Subjects.load(self.role, self.worker_id), self.load_report().encode())
+                await self.nc.publish(Subjects.load(self.scope, self.role, self.worker_id), self.load_report().encode())
             except Exception as e:  # NATS reconnecting: the next beat will go through
                 log.debug("heartbeat not sent: %s", e)
             try:
@@ -134,10 +134,8 @@ class WorkerBase:
                 pass
 
     async def run(self) -> None:
-        self.nc = await nats.connect(
-            **self.creds.connect_kwargs(), name=f"pdserve-{self.role}-{self.worker_id}",
-            max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-        )
+        self.nc = await self.creds.connect(name=f"pdserve-{self.role}-{self.worker_id}",
+                                           max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         await self.on_start()
         if self.args.metrics_port:
             start_http_server(self.args.metrics_port, registry=self.registry)
@@ -149,7 +147,7 @@ class WorkerBase:
                  self.runner.layout.model_fingerprint, self.creds.url,
                  f", data {self.data_addr()}" if self.data_addr() else "")
         await self._stop.wait()
-        await self.nc.publish(Subjects.bye(self.role, self.worker_id), self.load_report().encode())
+        await self.nc.publish(Subjects.bye(self.scope, self.role, self.worker_id), self.load_report().encode())
         hb.cancel()
         await self.on_stop()
         for t in list(self._tasks):

@@ -58,9 +58,10 @@ from pdserve.kvtransfer.channel import KVSendChannel
 from pdserve.kvtransfer.frames import TransferError
 from pdserve.kvtransfer.protocol import (
     PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, PrepositionHint, ProtocolError,
-    StreamEvent, Subjects, Usage,
+    Buckets, StreamEvent, Subjects, Usage,
 )
 from pdserve.kvtransfer.shm import SENDER_MAPS
+from pdserve.processors import make_processor, token_logprobs
 from pdserve.sampling import TextStream, sample_next
 from pdserve.workerbase import WorkerBase, run_worker
 
@@ -182,7 +183,7 @@ class PrefillWorker(WorkerBase):
             for i, layer in enumerate(layers):
                 layer.register_forward_hook(lambda m, a, o, i=i: self._layer_done(i))
         # transports in preference order (shm only when decode reports the same host), negotiated per handoff
-        self.kv_channel = KVSendChannel(self.nc, sender_id=self.worker_id, generation=self.generation,
+        self.kv_channel = KVSendChannel(self.nc, scope=self.scope, sender_id=self.worker_id, generation=self.generation,
                                         transports=self.args.kv.transport_list,
                                         compression=self.args.kv.compression, timeout=self.transfer_timeout)
         await self.nc.subscribe(Subjects.prefill(self.scope, self.model_name), queue=PREFILL_QUEUE_GROUP,
@@ -190,11 +191,11 @@ class PrefillWorker(WorkerBase):
         await self.nc.subscribe(Subjects.prefill_worker(self.scope, self.model_name, self.worker_id),
                                 cb=self._on_request)
         await self.nc.subscribe(Subjects.preposition(self.scope, self.worker_id), cb=self._on_hint)
-        await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self._on_cancel)
+        await self.nc.subscribe(Subjects.cancel_all(self.scope), cb=self._on_cancel)
         if self.args.prefix_offload:
             from pdserve.kvtransfer.offload import KVPrefixStore
 
-            self.prefix_store = KVPrefixStore(self.nc, self.runner.layout, ttl_s=self.args.prefix_offload_ttl)
+            self.prefix_store = KVPrefixStore(self.nc, self.runner.layout, bucket=Buckets.prefix(self.scope), ttl_s=self.args.prefix_offload_ttl)
         self.spawn(self._scheduler())
 
     async def _on_cancel(self, msg) -> None:
@@ -291,7 +292,7 @@ class PrefillWorker(WorkerBase):
         self._wake.set()
 
     async def _publish(self, req: PrefillRequest, **fields) -> None:
-        await self.nc.publish(Subjects.stream(req.request_id),
+        await self.nc.publish(Subjects.stream(self.scope, req.request_id),
                               StreamEvent(request_id=req.request_id, worker_id=self.worker_id, **fields).encode())
 
     async def _fail(self, req: PrefillRequest, seq: int, message: str, status: int = 500,
@@ -326,8 +327,9 @@ class PrefillWorker(WorkerBase):
         return len(self._pp_hashes)
 
     def _step(self, plan: list[tuple[Job, int]]) -> list[tuple[Job, object, object]]:
-        """One forward over the plan's chunks (compute thread). Returns (job, last logits, KV) of the
-        requests whose prompt is now complete; their sequences are released (blocks stay cached)."""
+        """One forward over the plan's chunks (compute thread). Returns (job, first token, KV) of the
+        requests whose prompt is now complete (`_choose_first`); their sequences are released (blocks
+        stay cached)."""
         batch = []
         for job, n in plan:
             if not job.started:
@@ -349,7 +351,8 @@ class PrefillWorker(WorkerBase):
             batch.append((job, n))
         if self.stream_layers:
             self._stream_candidates = [j for j, n in batch if not j.hint and n == j.remaining
-                                       and j.req.sampling.max_tokens > 1 and j.stream is None]
+                                       and j.req.sampling.max_tokens > 1 and j.req.sampling.n == 1
+                                       and j.stream is None]
         try:
             logits = self._forward(batch)
         finally:
@@ -370,9 +373,22 @@ class PrefillWorker(WorkerBase):
             need_kv = job.stream is None or self.prefix_store is not None
             kv = self.engine.export_kv(job.seq_id) if need_kv else None
             self.engine.free(job.seq_id)
-            finished.append((job, out[-1], kv))
+            finished.append((job, self._choose_first(job.req, out[-1]), kv))
         self._announced = [announced(h) for h in self.engine.cached_hashes(self.args.announce_blocks)]
         return finished
+
+    def _choose_first(self, req: PrefillRequest, logits) -> tuple[int, list[dict] | None] | None:
+        """The first generated token of a request and its logprobs (compute thread), from the raw
+        logits `[vocab]` of its prompt's last position; None with n > 1: decode then starts every
+        choice from the shared prompt KV, one batched step for all."""
+        params = req.sampling
+        if params.n > 1:
+            return None
+        proc = make_processor(params, req.prompt_token_ids, [], logits.shape[-1], self.runner.tokenizer,
+                              self.runner.eos_token_ids)
+        token = sample_next(proc.process(logits[None])[0] if proc else logits, params, 0, req.seed)
+        lps = token_logprobs(logits[None], [token], params.logprobs) if params.logprobs is not None else None
+        return token, lps
 
     def _forward(self, batch: list[tuple[Job, int]]):
         return self.engine.step([(j.seq_id, j.token_ids[j.done : j.done + n]) for j, n in batch], last_only=True)
@@ -485,7 +501,7 @@ class PrefillWorker(WorkerBase):
                     continue
                 await self._finish_job(job)
                 self.m_prefill.observe(time.monotonic() - job.started_at)
-                self.spawn(self._first_token(job, logits, kv))
+                self.spawn(self._first_token(job, logits, kv))  # logits: the `_choose_first` choice
             # let NATS callbacks (new prompts, cancels) run between steps
             await asyncio.sleep(0)
 
@@ -535,20 +551,29 @@ class PrefillWorker(WorkerBase):
 
     # -- after the prompt ------------------------------------------------------------------
 
-    async def _first_token(self, job: Job, logits, kv) -> None:
+    async def _first_token(self, job: Job, choice: tuple[int, list[dict] | None] | None, kv) -> None:
+        """Stream the first token (`choice`, from `_choose_first`) and hand the KV to decode; with
+        n > 1 (`choice` None) only the handoff: decode starts the choices."""
         req = job.req
+        published = 0  # events on the request's stream so far
         try:
-            first = sample_next(logits, req.sampling, 0, req.seed)
-            stream = TextStream(self.runner.tokenizer, req.sampling, self.runner.eos_token_ids)
-            text = stream.push(first)
             self._recent_ttft.append(time.monotonic() - job.queued_at)
             self.m_cached.labels("cache").inc(job.cached)
             self.m_cached.labels("computed").inc(len(job.token_ids) - job.cached)
             if job.prepositioned:
                 self.preposition_hits += 1
                 self.m_pp.labels("hit").inc()
+            if choice is None:
+                await self._handoff(req, kv, [])
+                if self.prefix_store is not None:
+                    await self._offload(job, kv)
+                return
+            first, logprobs = choice
+            stream = TextStream(self.runner.tokenizer, req.sampling, self.runner.eos_token_ids)
+            text = stream.push(first)
             await self._publish(req, seq=0, kind="token", token_ids=[first], text=text, cached_tokens=job.cached,
-                                prepositioned=job.prepositioned)
+                                prepositioned=job.prepositioned, logprobs=logprobs)
+            published = 1
             if stream.done:
                 self.m_requests.labels("finished").inc()
                 await self._publish(req, seq=1, kind="done", finish_reason=stream.finish_reason,
@@ -568,7 +593,7 @@ class PrefillWorker(WorkerBase):
                 await self._offload(job, kv)
         except Exception as e:  # never leave the client waiting on a request we took
             log.exception("prefill of %s failed", req.request_id)
-            await self._fail(req, 1, f"prefill failed: {e}")
+            await self._fail(req, published, f"prefill failed: {e}")
 
     def _offer(self, req: PrefillRequest, layout, num_tokens: int, kv_bytes: int, generated: list[int],
                first_token_pending: bool = False) -> HandoffOffer:
@@ -577,7 +602,8 @@ class PrefillWorker(WorkerBase):
             request_id=req.request_id, sender_id=self.worker_id, sender_generation=self.generation, layout=layout,
             num_tokens=num_tokens, kv_bytes=kv_bytes, prompt_token_ids=req.prompt_token_ids,
             generated_token_ids=generated, first_token_pending=first_token_pending, sampling=req.sampling,
-            seed=req.seed, next_seq=1, failure_policy=req.failure_policy, spec=req.spec,
+            seed=req.seed, next_seq=len(generated) or int(first_token_pending), failure_policy=req.failure_policy,
+            spec=req.spec,
             **self.kv_channel.offer_fields(),
         )
 
@@ -592,12 +618,12 @@ class PrefillWorker(WorkerBase):
                                             timeout=self.offer_timeout)
                 reply = HandoffReply.decode(raw.data)
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-                await self._fail(req, 1, f"decode worker {req.decode_worker_id} did not answer the handoff "
+                await self._fail(req, len(generated), f"decode worker {req.decode_worker_id} did not answer the handoff "
                                          f"within {self.offer_timeout:.1f} s", status=503, error_type="unavailable")
                 return
             if not reply.accepted:
                 # decode refused before owning the request: it is ours to report
-                await self._fail(req, 1, f"decode worker {reply.worker_id} refused the handoff: {reply.error}",
+                await self._fail(req, len(generated), f"decode worker {reply.worker_id} refused the handoff: {reply.error}",
                                  status=503, error_type="unavailable")
                 return
             header = self.kv_channel.header(reply, req.request_id, kv.layout, kv.num_tokens)

@@ -26,3 +26,8 @@ $PY -m pdserve.cli model fetch
 if [ -x scripts/k8s-tools.sh ] && [ "${PDSERVE_SKIP_K8S:-0}" != 1 ]; then
   bash scripts/k8s-tools.sh
 fi
+# The peers the client-compatibility tests drive (vLLM's CPU build and its benchmark client, guidellm),
+# each in a venv of its own under ~/.cache/pdserve/peers (~5 min the first time).
+if [ "${PDSERVE_SKIP_PEERS:-0}" != 1 ]; then
+  $PY -c 'import runpy; p = runpy.run_path("bench/peer.py"); p["ensure_vllm"](); p["ensure_guidellm"]()'
+fi

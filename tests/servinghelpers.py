@@ -20,13 +20,22 @@ def post(url: str, body, timeout: float = 300) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def hf_greedy(hf, prompt_ids: list[int], n: int, *, exact: bool = False) -> list[int]:
-    """`transformers` greedy `generate` of up to `n` tokens (exactly `n` with `exact`, as `ignore_eos` does)."""
+def hf_greedy(hf, prompt_ids: list[int], n: int, *, exact: bool = False, **generate_kw) -> list[int]:
+    """`transformers` greedy `generate` of up to `n` tokens (exactly `n` with `exact`, as `ignore_eos` does);
+    `generate_kw` go to `generate` (its logits processors: repetition_penalty, min_new_tokens, …)."""
     tok, model = hf
+    generate_kw.setdefault("min_new_tokens", n if exact else None)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n if exact else None,
-                             do_sample=False, pad_token_id=tok.eos_token_id)
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                             pad_token_id=tok.eos_token_id, **generate_kw)
     return out[0, len(prompt_ids):].tolist()
+
+
+def metric(port: int, name: str) -> float:
+    """The sum of a Prometheus metric's samples (all labels) at a worker's /metrics port."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
 def wait_for(fn, what: str, timeout: float, *, interval: float = 0.3, retry_on: tuple = ()):

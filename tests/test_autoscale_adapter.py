@@ -26,7 +26,8 @@ EXTERNAL = "/apis/external.metrics.k8s.io/v1beta1"
 
 def report(pod, role="prefill", pool=None, isvc="llama", ns=NS, **kw) -> LoadReport:
     return LoadReport(
-        worker_id=f"w-{pod}", role=role, model="m", isvc=isvc, pool=pool or role, pod=pod, namespace=ns, **kw
+        worker_id=f"w-{pod}", role=role, model="m", isvc=isvc, pool=pool or role, pod=pod, namespace=ns,
+        scope=f"{ns}.{isvc}", **kw
     )
 
 
@@ -36,7 +37,7 @@ class Harness:
 
     async def publish(self, r: LoadReport | bytes, subject: str | None = None):
         data = r if isinstance(r, bytes) else r.encode()
-        subject = subject or Subjects.load(r.role, r.worker_id)
+        subject = subject or Subjects.load(r.scope, r.role, r.worker_id)
         await self.nc.publish(subject, data)
         await self.nc.flush()
 
@@ -156,7 +157,7 @@ def test_stale_reports_and_bye_are_dropped(nats_server, tmp_path):
 
         await h.until(all_three, "three pods served")
         # A clean shutdown removes the pod at once.
-        await h.publish(report("p-leaving"), subject=Subjects.bye("prefill", "w-p-leaving"))
+        await h.publish(report("p-leaving"), subject=Subjects.bye(f"{NS}.llama", "prefill", "w-p-leaving"))
 
         async def only_live():
             return await names() == {"p-live"}
@@ -185,9 +186,9 @@ def test_bad_paths_unknown_metrics_and_malformed_reports(nats_server, tmp_path):
         assert code == 400 and doc["reason"] == "BadRequest"
         # Malformed reports: counted, ignored, and the adapter keeps serving good ones after them.
         before = h.adapter.malformed_reports
-        await h.publish(b"{not json", subject=Subjects.load("prefill", "junk"))
-        await h.publish(json.dumps({"v": 1, "worker_id": "x", "role": "prefill"}).encode(), subject=Subjects.load("prefill", "x"))
-        await h.publish(json.dumps({"v": 99, "worker_id": "x", "role": "prefill", "model": "m"}).encode(), subject=Subjects.load("prefill", "x"))
+        await h.publish(b"{not json", subject=Subjects.load(f"{NS}.llama", "prefill", "junk"))
+        await h.publish(json.dumps({"v": 2, "worker_id": "x", "role": "prefill"}).encode(), subject=Subjects.load(f"{NS}.llama", "prefill", "x"))
+        await h.publish(json.dumps({"v": 99, "worker_id": "x", "role": "prefill", "model": "m"}).encode(), subject=Subjects.load(f"{NS}.llama", "prefill", "x"))
         await h.publish(report("p-good", queue_depth=1))
 
         async def good_served():

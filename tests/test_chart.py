@@ -3,7 +3,10 @@ with kubernetes-validate --strict against several Kubernetes versions; examples 
 Needs helm (scripts/k8s-tools.sh caches it); skipped with the reason when it is absent."""
 from __future__ import annotations
 
+import base64
 import importlib.util
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +25,7 @@ NON_DEFAULT = ["--set", "nats.enabled=false", "--set", "nats.external.url=nats:/
                "--set", "nats.external.existingSecret=infra-nats", "--set", "webhook.enabled=false",
                "--set", "operator.watchNamespaces={ml,research}", "--set", "operator.verbose=true",
                "--set", "image.tag=0.1.1", "--set", "serviceAccount.name=pdserve-op",
-               "--set", "operator.podAnnotations.team=ml",
+               "--set", "operator.podAnnotations.team=ml", "--set", "operator.metricsScraperNamespace=monitoring",
                "--set", "metricsAdapter.enabled=true", "--set", "metricsAdapter.registerExternalMetrics=false"]
 
 
@@ -57,7 +60,8 @@ def test_values_schema_refuses_bad_values():
     assert bad.returncode != 0 and "replica" in bad.stderr
 
 
-@pytest.mark.parametrize("values", [[], NON_DEFAULT], ids=["default", "non-default"])
+@pytest.mark.parametrize("values", [[], NON_DEFAULT, ["--set", "nats.tls.enabled=true"]],
+                         ids=["default", "non-default", "nats-tls"])
 def test_rendered_manifests_validate_strictly(values, tmp_path):
     if importlib.util.find_spec("kubernetes_validate") is None:
         pytest.skip("kubernetes-validate absent; run scripts/k8s-tools.sh")
@@ -87,7 +91,11 @@ def test_default_render_is_secure_and_complete():
     assert env["PDSERVE_IMAGE"] == "ghcr.io/pdserve/pdserve:0.1.0"
     # NATS: auth on, JetStream in memory, no PVC anywhere, password generated (not a fixed default).
     conf = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["nats.conf"]
-    assert "authorization" in conf and "max_file_store: 0" in conf and "$NATS_PASSWORD" in conf
+    assert "authorization" in conf and "max_file_store: 0" in conf
+    # the users it accepts: the chart's own, its password from the server's environment
+    users = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "rel-pdserve-nats-users")
+    assert 'include "../users/users.conf"' in conf
+    assert "$NATS_PASSWORD" in base64.b64decode(users["data"]["users.conf"]).decode()
     assert not any(d["kind"] in ("PersistentVolumeClaim", "StatefulSet") for d in docs)
     secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "rel-pdserve-nats-credentials")
     assert len(secret["data"]["password"]) >= 40
@@ -103,8 +111,6 @@ def test_default_render_is_secure_and_complete():
     assert vwc["webhooks"][0]["clientConfig"]["caBundle"] == tls["data"]["ca.crt"]
     assert vwc["webhooks"][0]["clientConfig"]["service"]["path"] == "/validate-inferenceservice"
     # ... for the name the API server dials (<service>.<namespace>.svc).
-    import base64
-
     from cryptography import x509
 
     ca = x509.load_pem_x509_certificate(base64.b64decode(tls["data"]["ca.crt"]))
@@ -136,6 +142,7 @@ def test_non_default_render_uses_external_nats_and_no_webhook():
     c = op["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["PDSERVE_NATS_URL"] == "nats://nats.infra:4222" and env["PDSERVE_NATS_SECRET"] == "infra-nats"
+    assert env["PDSERVE_METRICS_SCRAPER_NAMESPACE"] == "monitoring"  # the workers' NetworkPolicy admits it
     assert c["args"] == ["--namespace=ml", "--namespace=research", "--verbose"]
     # image.* is the workers' image, which the operator hands on; the operator runs its own slim one.
     assert env["PDSERVE_IMAGE"] == "ghcr.io/pdserve/pdserve:0.1.1"
@@ -181,3 +188,58 @@ def test_examples_are_valid_inferenceservices(example):
     for d in isvcs:
         jsonschema.validate(d, strict(schema))
         assert validate(d) == []
+
+
+def _nats_files(docs: list[dict], root: Path) -> tuple[Path, dict[str, str]]:
+    """Lay the chart's NATS config, users file and certificate out as the NATS pod mounts them, under
+    `root` (absolute paths rewritten into it). → (nats.conf, the server's environment)."""
+    conf = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-nats-config"))
+    text = conf["data"]["nats.conf"]
+    # one pass: `root` itself may lie under /tmp
+    text = re.sub(r"(?<![\w/])(/etc/nats/|/var/run/nats/|/tmp/)", lambda m: f"{root}{m.group(1)}", text)
+    (root / "etc/nats/config").mkdir(parents=True)
+    (root / "var/run/nats").mkdir(parents=True)
+    (root / "etc/nats/config/nats.conf").write_text(text)
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    for name, folder in (("rel-pdserve-nats-users", "users"), ("rel-pdserve-nats-tls", "tls")):
+        if name in secrets:
+            (root / "etc/nats" / folder).mkdir()
+            for key, value in secrets[name]["data"].items():
+                (root / "etc/nats" / folder / key).write_bytes(base64.b64decode(value))
+    creds = secrets["rel-pdserve-nats-credentials"]["data"]
+    env = {"NATS_USER": base64.b64decode(creds["user"]).decode(),
+           "NATS_PASSWORD": base64.b64decode(creds["password"]).decode()}
+    return root / "etc/nats/config/nats.conf", env
+
+
+@pytest.mark.parametrize("values", [[], ["--set", "nats.tls.enabled=true"],
+                                    ["--set", "nats.userPerInferenceService=false"]],
+                         ids=["default", "tls", "shared-user"])
+def test_the_charts_nats_config_is_one_nats_server_accepts(values, tmp_path):
+    """The rendered nats.conf, with the users file and certificate it includes, passes the real
+    nats-server's own check; the first users file is the one the operator renders, so the chart's
+    user reads load reports and nothing more until the operator adds InferenceServices."""
+    from pdserve.natsserver import nats_server_binary
+    from pdserve.operator.natsusers import render as operator_users
+
+    docs = render(*values)
+    conf, env = _nats_files(docs, tmp_path)
+    out = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True, text=True,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stdout + out.stderr
+    users = tmp_path / "etc/nats/users/users.conf"
+    if "nats.userPerInferenceService=false" in values:
+        assert not users.exists()
+    else:
+        assert users.read_text() == operator_users({})
+    if "nats.tls.enabled=true" in values:
+        from cryptography import x509
+
+        tls = tmp_path / "etc/nats/tls"
+        cert = x509.load_pem_x509_certificate((tls / "tls.crt").read_bytes())
+        cert.verify_directly_issued_by(x509.load_pem_x509_certificate((tls / "ca.crt").read_bytes()))
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert "rel-pdserve-nats.pdserve-system.svc.cluster.local" in sans.get_values_for_type(x509.DNSName)
+        op = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pdserve-operator")
+        env_op = {e["name"]: e.get("value") for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env_op["PDSERVE_NATS_TLS_CA"] == "/etc/pdserve/nats/ca.crt"

@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.local import LocalCluster
 from pdserve.natsserver import free_port
+from servinghelpers import metric
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -22,11 +23,6 @@ PROMPTS = [
     "The speed of light is", "SELECT name FROM", "Dear Sir or Madam,", "In 1969, astronauts",
     "A haiku about rain:", "for i in range(10):", "The best way to learn", "Photosynthesis is",
 ]
-
-
-def metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " ") or l.startswith(name + "{"))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Decode's turn order: round robin over the running set bounds every sequence's wait.
 
-`next_batch` only reads `request_id`, so the running set here holds plain stand-ins rather than
+`next_batch` only reads `key` (the running set's key of a sequence), so the running set here holds plain stand-ins rather than
 full `Sequence`s (which need a handoff offer and a tokenizer); the worker's loop calls the same function.
 """
 from __future__ import annotations
@@ -18,6 +18,10 @@ from pdserve.decode.worker import next_batch
 @dataclass
 class Seq:
     request_id: str
+
+    @property
+    def key(self) -> str:
+        return self.request_id
 
 
 @pytest.mark.parametrize("max_batch", [1, 3, 8])

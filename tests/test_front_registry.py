@@ -18,21 +18,21 @@ def test_registry_sees_only_its_scope_and_forgets_the_silent(nats_server):
 
             async def beat(scope, role, wid, **kw):
                 r = LoadReport(worker_id=wid, role=role, model="m", scope=scope, **kw)
-                await nc.publish(Subjects.load(role, wid), r.encode())
+                await nc.publish(Subjects.load(scope, role, wid), r.encode())
 
             await beat("ns.llama", "decode", "d1", running=3, stale_after_s=0.6)
             await beat("ns.llama", "decode", "d2", running=1, stale_after_s=5)
             await beat("ns.other", "decode", "d3", running=0)  # same model, other deployment
             await beat("ns.llama", "prefill", "p1")
-            await nc.publish(Subjects.load("decode", "bad"), b"{not json")
+            await nc.publish(Subjects.load("ns.llama", "decode", "bad"), b"{not json")
             await nc.flush()
             await asyncio.sleep(0.2)
             first = sorted(r.worker_id for r in reg.alive("decode", "m"))
             picked = reg.pick_decode("m").worker_id
             await asyncio.sleep(0.7)  # d1 stops beating and goes stale
             later = sorted(r.worker_id for r in reg.alive("decode", "m"))
-            await nc.publish(Subjects.bye("prefill", "p1"), LoadReport(worker_id="p1", role="prefill", model="m",
-                                                                       scope="ns.llama").encode())
+            await nc.publish(Subjects.bye("ns.llama", "prefill", "p1"),
+                             LoadReport(worker_id="p1", role="prefill", model="m", scope="ns.llama").encode())
             await nc.flush()
             await asyncio.sleep(0.2)
             return first, picked, later, reg.alive("prefill", "m"), reg.malformed
@@ -59,8 +59,8 @@ def test_routing_prefers_the_cached_prefix_balanced_against_load_and_decode_by_f
             await reg.attach(nc)
 
             async def beat(role, wid, **kw):
-                await nc.publish(Subjects.load(role, wid), LoadReport(worker_id=wid, role=role, model="m", scope="s",
-                                                                      **kw).encode())
+                await nc.publish(Subjects.load("s", role, wid), LoadReport(worker_id=wid, role=role, model="m", scope="s",
+                                                                           **kw).encode())
 
             await beat("prefill", "warm", block_size=16, cached_blocks=chain[:12] + ["00" * 8], queue_tokens=50)
             await beat("prefill", "cold", block_size=16, cached_blocks=chain[1:], queue_tokens=0)  # no root: no match

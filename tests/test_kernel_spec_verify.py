@@ -413,3 +413,38 @@ def test_per_position_noise_shape_is_checked():
     bad = (*case[:8], torch.ones(2, 2, 10))  # K rows, not K+1
     with pytest.raises(ValueError, match="exp_noise"):
         verify(*bad, impl="reference")
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["deterministic", "draft-probs"])
+@pytest.mark.parametrize("filters", [(False, False), (True, True)], ids=["min-p", "min-p+top-k+top-p"])
+@pytest.mark.parametrize("batch,k,vocab", [(4, 3, 100), (3, 2, 1000)])
+def test_triton_matches_reference_with_min_p(batch, k, vocab, filters, with_q):
+    """min-p cuts inside the same launch as top-k / top-p, a row with it off among rows with it on,
+    and -inf logits (what a format mask or min_tokens leave) in some rows."""
+    seed = hash(("min_p", batch, k, vocab, filters, with_q)) % 10_000
+    case = make_case(seed, batch, k, vocab, with_q=with_q, top_k_on=filters[0], top_p_on=filters[1],
+                     temps=(0.7, 1.0, 0.0, 1.3))
+    case[0][1, :, : vocab // 2] = float("-inf")
+    min_p = torch.tensor([0.05, 0.2, 0.1, 0.0][:batch] + [0.3] * max(0, batch - 4))
+    ref = verify_reference(*case, min_p=min_p)
+    tri = verify_triton(*case, min_p=min_p)
+    check_output_shape(case, *ref)
+    assert torch.equal(tri[1], ref[1]) and torch.equal(tri[0], ref[0]), (tri, ref)
+
+
+def test_min_p_keeps_what_is_at_least_min_p_of_the_most_likely():
+    """The definition (vLLM's, and transformers' MinPLogitsWarper): after temperature, tokens with
+    p < min_p * max(p) are cut, the rest renormalised."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 500, generator=g) * 3
+    x[2, 100:] = float("-inf")
+    for min_p in (0.01, 0.1, 0.5, 1.0):
+        for t in (0.6, 1.0):
+            ours = process_logits(x, torch.full((4,), t), torch.zeros(4, dtype=torch.int32), torch.ones(4),
+                                  torch.full((4,), min_p))
+            hf = torch.softmax(MinPLogitsWarper(min_p, min_tokens_to_keep=1)(None, x / t), dim=-1)
+            torch.testing.assert_close(ours, hf, rtol=1e-5, atol=1e-7)
+    off = process_logits(x, torch.ones(4), torch.zeros(4, dtype=torch.int32), torch.ones(4), torch.zeros(4))
+    torch.testing.assert_close(off, process_logits(x, torch.ones(4), torch.zeros(4, dtype=torch.int32), torch.ones(4)))

@@ -22,8 +22,8 @@ from kvhelpers import random_kv
 from pdserve.kvtransfer.channel import KVReceiveChannel, KVSendChannel
 from pdserve.basetypes import KVLayout, LayoutMismatch, SamplingParams
 from pdserve.kvtransfer.layout import KVBlocks
-from pdserve.kvtransfer.natsdata import DEFAULT_BUCKET, _msg
-from pdserve.kvtransfer.protocol import HandoffOffer, Subjects, TransferFailed
+from pdserve.kvtransfer.natsdata import _msg, object_name
+from pdserve.kvtransfer.protocol import Buckets, HandoffOffer, Subjects, TransferFailed
 from pdserve.kvtransfer.frames import (
     CHUNK, END, HELLO, TransferError, TransferHeader, from_token_groups, layer_wire_pieces, to_token_groups,
 )
@@ -76,7 +76,7 @@ async def _connect(server):
 
 
 async def _objects(nc) -> list[str]:
-    store = await nc.jetstream().object_store(DEFAULT_BUCKET)
+    store = await nc.jetstream().object_store(Buckets.kv_transfer("default"))
     try:
         return [o.name for o in await store.list(ignore_deletes=True)]
     except Exception:  # nats.js.errors.NotFoundError: the bucket is empty
@@ -113,7 +113,7 @@ def test_every_transport_is_bit_exact_and_leaves_nothing(nats_server, transport,
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(kv.layers, got.layers))
     assert our_segments() == before, "a shared-memory segment outlived its transfer"
     assert not os.path.exists(shm_path(reply.transfer_token))
-    assert f"kv-{reply.transfer_token}" not in objects, "the receiver must delete the fetched object"
+    assert object_name(reply.transfer_token) not in objects, "the receiver must delete the fetched object"
 
 
 def test_nats_transfer_sent_the_moment_the_reply_is_out_finds_its_receiver(nats_server):
@@ -242,7 +242,7 @@ def test_stale_generation_is_refused_and_recorded(nats_server, transport):
         async def on_failed(m):
             records.append(TransferFailed.decode(m.data))
 
-        sub = await nc.subscribe(Subjects.KV_FAILED_ALL, cb=on_failed)
+        sub = await nc.subscribe(Subjects.kv_failed_all("default"), cb=on_failed)
         async with Pair(nc, transports=[transport]) as p:
             reply = await p.recv.expect(make_offer(kv, p.send))
             stale = p.send.header(reply, "r1", LAYOUT, kv.num_tokens).model_copy(update={"sender_generation": 6})
@@ -450,7 +450,7 @@ async def _raw_nats_transfer(nc, p: Pair, kv: KVBlocks, mutate, wait_timeout: fl
     answers = []
     for f in frames:
         try:
-            answers.append(json.loads((await nc.request(Subjects.kv_data(reply.transfer_token), f, timeout=2)).data))
+            answers.append(json.loads((await nc.request(Subjects.kv_data("default", reply.transfer_token), f, timeout=2)).data))
         except Exception as e:
             answers.append(type(e).__name__)
     with pytest.raises(TransferError) as err:
@@ -534,7 +534,7 @@ def test_objstore_corrupt_or_missing_object_is_refused_and_deleted(nats_server):
         nc = await _connect(nats_server)
         out = []
         async with Pair(nc, transports=["objstore"]) as p:
-            store = await ensure_bucket(nc.jetstream())
+            store = await ensure_bucket(nc.jetstream(), Buckets.kv_transfer("default"))
             for case in ("corrupt", "truncated", "missing"):
                 reply = await p.recv.expect(make_offer(kv, p.send))
                 header = p.send.header(reply, "r1", LAYOUT, kv.num_tokens)
@@ -544,11 +544,11 @@ def test_objstore_corrupt_or_missing_object_is_refused_and_deleted(nats_server):
                     blob[len(frames[0]) + len(frames[1]) - 1] ^= 0xFF  # last payload byte of layer 1
                 elif case == "truncated":
                     blob = blob[: len(blob) // 2]
-                name = f"kv-{reply.transfer_token}"
+                name = object_name(reply.transfer_token)
                 if case != "missing":
                     await store.put(name, bytes(blob))
-                ref = json.dumps({"bucket": DEFAULT_BUCKET, "name": name}).encode()
-                ans = json.loads((await nc.request(Subjects.kv_data(reply.transfer_token),
+                ref = json.dumps({"bucket": Buckets.kv_transfer("default"), "name": name}).encode()
+                ans = json.loads((await nc.request(Subjects.kv_data("default", reply.transfer_token),
                                                    _msg(HELLO, header.model_dump_json().encode()) + _msg(OBJECT, ref),
                                                    timeout=5)).data)
                 with pytest.raises(TransferError) as err:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 import torch
@@ -577,3 +578,87 @@ def test_a_kept_connection_on_a_high_descriptor_is_still_used():
     b.close()
     pool.put("a:1", high, 60)
     assert pool.take("a:1") is None and high.fileno() == -1, "a closed one on fd 1500 was kept"
+
+
+def test_the_data_port_admits_a_transfer_only_with_its_one_time_token():
+    """No token, a wrong one, one for another transfer, and the token of a transfer already delivered
+    (a replay): each connection is refused with the reason and closed, nothing is delivered by it, and
+    the legitimate transfer, agreed before them all, still arrives whole."""
+    kv = make_kv()
+
+    async def refused(frames: list[bytes]) -> tuple[dict, bytes]:
+        host, _, port = rx.address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        for f in frames:
+            writer.write(f)
+        await writer.drain()
+        _, _, payload = await read_frame(reader, 5, 1 << 20)
+        rest = await asyncio.wait_for(reader.read(), 5)  # the receiver closes: EOF, not a wedge
+        writer.close()
+        return json.loads(payload), rest
+
+    async def go():
+        nonlocal rx
+        rx = await KVReceiver(LAYOUT).start()
+        mine = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens)
+        other = rx.expect("r2", "prefill-a", 7, LAYOUT, kv.num_tokens)
+        untoken = json.loads(header(mine, kv).model_dump_json())
+        del untoken["transfer_token"]
+        no_token = [b"".join(frame(HELLO, json.dumps(untoken).encode()))] + _frames_for(kv, header(mine, kv))[1:]
+        wrong = _frames_for(kv, header("A" * 22, kv))
+        foreign = _frames_for(kv, header(other, kv))  # r2's token on a stream that says r1
+        got = {name: await refused(frames) for name, frames in
+               (("none", no_token), ("wrong", wrong), ("foreign", foreign))}
+        assert rx.bytes_received == 0
+        ack, (blocks, _) = await asyncio.gather(send_kv(rx.address, header(mine, kv), kv), rx.wait(mine, 5))
+        received = rx.bytes_received
+        got["replay"] = await refused(_frames_for(kv, header(mine, kv)))
+        assert rx.bytes_received == received  # the replay delivered nothing
+        with pytest.raises(TransferError, match="belongs to request r2"):
+            await rx.wait(other, 5)  # a token shown with a stream not its own is spent
+        await rx.close()
+        return got, ack, blocks
+
+    rx = None
+    got, ack, blocks = run(go())
+    assert ack["ok"] and all(torch.equal(a, b) for a, b in zip(kv.layers, blocks.layers))
+    for name, match in (("none", "malformed transfer header.*transfer_token"),
+                        ("wrong", "unknown or expired transfer token"),
+                        ("foreign", "transfer token belongs to request r2, stream says r1"),
+                        ("replay", "unknown or expired transfer token|already used")):
+        reply, rest = got[name]
+        assert reply["ok"] is False and re.search(match, reply["error"], re.S), (name, reply)
+        assert rest == b"", name
+
+
+def test_a_token_is_admitted_once_even_while_its_transfer_is_in_flight():
+    """A second HELLO with a token whose transfer is still arriving is refused as already used, and the
+    transfer in flight is not failed by it."""
+    kv = make_kv()
+
+    async def go():
+        rx = await KVReceiver(LAYOUT).start()
+        token = rx.expect("r1", "prefill-a", 7, LAYOUT, kv.num_tokens)
+        frames = _frames_for(kv, header(token, kv))
+        host, _, port = rx.address.rpartition(":")
+        r1, w1 = await asyncio.open_connection(host, int(port))
+        layers = rx.layers(token, 5)
+        landed = asyncio.ensure_future(layers.__anext__())
+        await asyncio.sleep(0)  # one turn of the loop: `landed` starts listening before any layer is sent
+        w1.write(frames[0] + frames[1])  # HELLO and the first layer: claimed, not finished
+        await w1.drain()
+        first, _ = await landed  # the first layer landed: the token is in use
+        ack2 = await _send_raw(rx.address, frames)
+        w1.write(b"".join(frames[2:]))
+        await w1.drain()
+        _, _, payload = await read_frame(r1, 5, 1 << 20)
+        blocks, _ = await rx.wait(token, 5)
+        await layers.aclose()
+        w1.close()
+        await rx.close()
+        return ack2, json.loads(payload), blocks, first
+
+    ack2, ack1, blocks, first = run(go())
+    assert first == 0
+    assert ack2["ok"] is False and ack2["error"] == "transfer token already used"
+    assert ack1["ok"] and all(torch.equal(a, b) for a, b in zip(kv.layers, blocks.layers))

@@ -43,6 +43,7 @@ def test_children_set_owner_refs_and_labels():
         ("Secret", "llama-nats"),
         ("Deployment", "llama-prefill"), ("Deployment", "llama-decode"), ("Deployment", "llama-front"),
         ("Service", "llama"), ("Service", "llama-decode"),
+        ("NetworkPolicy", "llama-workers"), ("NetworkPolicy", "llama-front"),
         ("HorizontalPodAutoscaler", "llama-prefill"), ("HorizontalPodAutoscaler", "llama-decode"),
         ("PodDisruptionBudget", "llama-prefill"), ("PodDisruptionBudget", "llama-decode"),
     }
@@ -442,3 +443,94 @@ def test_the_operator_loads_neither_torch_nor_the_workers():
             "print(sorted(m for m in ('torch', 'triton', 'transformers', 'pdserve.workerbase') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_each_inferenceservice_gets_its_own_nats_user_and_the_nats_ca():
+    """With a NATS user per InferenceService: the Secret holds that user (named for its scope) and the
+    password the handler keeps, never the chart's; with TLS to NATS the pods get the CA, mounted, and
+    the setting that points at it. The pods' scope is the one the user is confined to."""
+    from pdserve.operator.natsusers import scope_of, user_name
+
+    cfg = OperatorConfig(nats_url="nats://pdserve-nats.sys:4222", nats_users=True, nats_tls_ca="-----BEGIN CA-----")
+    with pytest.raises(ValueError, match="needs its password"):
+        desired_children(isvc(), cfg)
+    children = desired_children(isvc(), cfg, nats_password="pw-of-llama")
+    data = {k: base64.b64decode(v).decode() for k, v in by_kind_name(children)[("Secret", "llama-nats")]["data"].items()}
+    assert data == {"user": user_name("ml", "llama"), "password": "pw-of-llama", "ca.crt": "-----BEGIN CA-----"}
+    assert user_name("ml", "llama") == "isvc-ml_llama" != user_name("ml-llama", "x")
+    for pool in ("prefill", "decode", "front"):
+        cfg_ = parsed(children, pool)
+        assert cfg_.nats.tls_ca == "/etc/pdserve/nats/ca.crt" and cfg_.deployment_scope == scope_of("ml", "llama")
+        pod = by_kind_name(children)[("Deployment", f"llama-{pool}")]["spec"]["template"]["spec"]
+        assert {"name": "nats-ca", "secret": {"secretName": "llama-nats", "items": [{"key": "ca.crt",
+                                                                                     "path": "ca.crt"}]}} in pod["volumes"]
+        assert {"name": "nats-ca", "mountPath": "/etc/pdserve/nats", "readOnly": True} in \
+            pod["containers"][0]["volumeMounts"]
+    # an InferenceService on a NATS of its own gets neither the user nor the CA
+    own = desired_children(isvc({"nats": {"url": "nats://ext:4222", "credentialsSecret": {"name": "ext"}}}), cfg)
+    assert ("Secret", "llama-nats") not in by_kind_name(own) and parsed(own, "decode").nats.tls_ca is None
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions In/NotIn/Exists) against labels."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        has, value = e["key"] in labels, labels.get(e["key"])
+        ok = {"In": has and value in e.get("values", []), "NotIn": value not in e.get("values", []),
+              "Exists": has, "DoesNotExist": not has}[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def test_network_policies_admit_only_the_deployments_own_pods_to_the_workers():
+    """The workers' data and metrics ports take connections from their own InferenceService's pods (and
+    metrics from the scraper's namespace, when named); the front's port from anyone; nothing selects
+    another InferenceService's pods, nor lets them in."""
+    spec = {"decode": {"dataPort": 7001}, "prefill": {"dataPort": 7002}, "serving": {"port": 8080}}
+    mine = by_kind_name(desired_children(isvc(spec), CFG))
+    theirs = by_kind_name(desired_children(isvc(name="other"), CFG))
+    pod_labels = {n: c["spec"]["template"]["metadata"]["labels"] for (k, n), c in {**mine, **theirs}.items()
+                  if k == "Deployment"}
+    workers, front = mine[("NetworkPolicy", "llama-workers")], mine[("NetworkPolicy", "llama-front")]
+    selected = {n for n, lab in pod_labels.items() if _selects(workers["spec"]["podSelector"], lab)}
+    assert selected == {"llama-prefill", "llama-decode"}
+    assert {n for n, lab in pod_labels.items() if _selects(front["spec"]["podSelector"], lab)} == {"llama-front"}
+    assert workers["spec"]["policyTypes"] == ["Ingress"]
+    [rule] = workers["spec"]["ingress"]
+    assert {p["port"] for p in rule["ports"]} == {7001, 7002, 9100}
+    admitted = {n for n, lab in pod_labels.items() if any(_selects(f["podSelector"], lab) for f in rule["from"])}
+    assert admitted == {"llama-prefill", "llama-decode", "llama-front"}
+    assert all(set(f) == {"podSelector"} for f in rule["from"])  # same namespace: no namespaceSelector
+    assert front["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8080}]}]
+    assert workers["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+    import dataclasses
+    scraped = by_kind_name(desired_children(isvc(spec), dataclasses.replace(CFG, metrics_scraper_namespace="monitoring")))
+    rules = scraped[("NetworkPolicy", "llama-workers")]["spec"]["ingress"]
+    assert rules[0] == rule and rules[1] == {
+        "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+        "ports": [{"protocol": "TCP", "port": 9100}]}
+
+
+@pytest.mark.k8s
+def test_children_validate_strictly_against_kubernetes(tmp_path):
+    """Every child, NetworkPolicies included, passes kubernetes-validate --strict (as the chart's do)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("kubernetes_validate") is None:
+        pytest.skip("kubernetes-validate absent; run scripts/k8s-tools.sh")
+    cfg = OperatorConfig(metrics_scraper_namespace="monitoring")  # autoscaling/v2, policy/v1
+    files = []
+    for i, d in enumerate(desired_children(isvc({"decode": {"autoscaling": {"enabled": True}}}), cfg)):
+        f = tmp_path / f"{i:02d}-{d['kind']}.yaml"
+        f.write_text(yaml.safe_dump(d))
+        files.append(str(f))
+    assert any("NetworkPolicy" in f for f in files)
+    for version in ("1.28.0", "1.34.0"):
+        r = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k", version, *files],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"k8s {version}:\n{r.stdout}\n{r.stderr}"

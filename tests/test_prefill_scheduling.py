@@ -15,7 +15,7 @@ import nats
 import pytest
 
 from pdserve.basetypes import SamplingParams, announced, prefix_hashes
-from pdserve.kvtransfer.protocol import Ack, LoadReport, PrefillRequest, PrepositionHint, Subjects
+from pdserve.kvtransfer.protocol import Ack, Buckets, LoadReport, PrefillRequest, PrepositionHint, Subjects
 from pdserve.local import LocalCluster
 from servinghelpers import hf_greedy as _hf_greedy, post, wait_for
 
@@ -52,7 +52,7 @@ def load_reports(cluster, role: str, seconds: float = 1.5) -> dict[str, LoadRepo
             if r.scope == cluster.scope:
                 seen[r.worker_id] = r
 
-        await nc.subscribe(f"pdserve.v1.load.{role}.*", cb=cb)
+        await nc.subscribe(Subjects.load(cluster.scope, role, "*").replace(".__", ".*"), cb=cb)
         await asyncio.sleep(seconds)
         await nc.close()
         return seen
@@ -226,30 +226,31 @@ def test_router_sends_a_known_prefix_to_the_worker_that_holds_it(nats_server, mo
 
 
 def test_offload_tier_lets_another_worker_skip_a_stored_prefix(nats_server, model_dir, hf):
-    """Two deployments on one NATS, both with --prefix-offload: what the first computed, the second
-    fetches from the JetStream object store instead of recomputing; the answer is unchanged. A damaged
-    stored block is refused and the prompt computed instead (nothing lost)."""
+    """Two deployments of one scope on one NATS, one after the other, both with --prefix-offload: what
+    the first computed, the second fetches from the JetStream object store instead of recomputing; the
+    answer is unchanged. A damaged stored block is refused and the prompt computed instead (nothing lost)."""
     from pdserve.kvtransfer.offload import KVPrefixStore, block_hashes
     from pdserve.runtime import ModelRunner
 
     tok = hf[0]
     ids = tok.encode(LONG, add_special_tokens=False)[1100:1500]
     args = {"prefill": ["--prefix-offload"]}
+    scope = {"PDSERVE_SCOPE": "offload-test"}  # the offload tier is per scope: b is a's successor
     layout = ModelRunner(model_dir).layout
 
     async def stored(prompt):
         nc = await nats.connect(**nats_server.creds.connect_kwargs())
         try:
-            got = await KVPrefixStore(nc, layout).get_longest_prefix(prompt)
+            got = await KVPrefixStore(nc, layout, bucket=Buckets.prefix("offload-test")).get_longest_prefix(prompt)
             return got[1] if got else 0
         finally:
             await nc.close()
 
-    with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds, worker_args=args) as a:
+    with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds, worker_args=args, env=scope) as a:
         s, out = post(a.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 2})
         assert s == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         wait_for(lambda: asyncio.run(stored(ids)) == 400 // 16 * 16, "the prompt's blocks in the object store", 60)
-    with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds, worker_args=args) as b:
+    with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds, worker_args=args, env=scope) as b:
         s, out = post(b.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0,
                                                   "return_token_ids": True, "ignore_eos": True})
         assert s == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 384
@@ -261,7 +262,7 @@ def test_offload_tier_lets_another_worker_skip_a_stored_prefix(nats_server, mode
         async def damage():
             nc = await nats.connect(**nats_server.creds.connect_kwargs())
             try:
-                store = KVPrefixStore(nc, layout)
+                store = KVPrefixStore(nc, layout, bucket=Buckets.prefix("offload-test"))
                 bucket = await store._bucket()
                 await bucket.put(store._name(block_hashes(other, 16)[0]), b"\x00garbage" * 100)
             finally:

@@ -121,8 +121,8 @@ BAD = [
     ({"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
     ({"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 9000}, 400, "context"),
     ({"model": "SmolLM2-135M-Instruct", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
-    ({"model": "SmolLM2-135M-Instruct", "prompt": "hi", "n": 3}, 400, "n"),
-    ({"model": "SmolLM2-135M-Instruct", "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": "SmolLM2-135M-Instruct", "prompt": "hi", "n": 0}, 400, "n"),
+    ({"model": "SmolLM2-135M-Instruct", "prompt": "hi", "echo": True}, 400, "echo"),
     ({"model": "SmolLM2-135M-Instruct", "prompt": [99999999]}, 400, "vocabulary"),
 ]
 

@@ -53,7 +53,7 @@ def greedy_ids(cluster, prompt, n):
 async def _offer(cluster, offer: HandoffOffer, collect_until_done: bool = True, timeout: float = 60):
     """Play a prefill worker that offers KV and then never sends it (it 'died' after the offer)."""
     async with await nats.connect(**cluster.creds.connect_kwargs()) as nc:
-        sub = await nc.subscribe(Subjects.stream(offer.request_id))
+        sub = await nc.subscribe(Subjects.stream(cluster.scope, offer.request_id))
         reply = HandoffReply.decode((await nc.request(Subjects.decode_handoff(cluster.scope, "decode-0"), offer.encode(),
                                                       timeout=5)).data)
         events = []

@@ -76,38 +76,43 @@ class PagedBatch:
 
 PACK_ROWS_HINT = 16  # the row count oneDNN lays the packed weights out for; its speed is flat from 4 rows to this
 
+# The weight layouts a CPU step may multiply by: "t" is `x @ W_t` on `[in, out]` (the parameter),
+# "rows" `F.linear` on `[out, in]`, "packed" oneDNN's prepacked layout.
+LAYOUTS = ("t", "rows", "packed")
+
+
+def default_step_plan() -> tuple[str, ...]:
+    """Layout per row count (index = rows) before a calibration says otherwise: `F.linear` for two and
+    three rows, oneDNN packed for 4-12, `x @ W_t` elsewhere. `pdserve.engine.calibrate` replaces it with
+    what measures fastest on the machine at hand (which layout wins depends on the CPU)."""
+    return ("t", "t", "rows", "rows") + ("packed",) * 9
+
 
 class Linear(nn.Module):
     """``x @ W.T`` (no bias), with the weight in the layout the CPU's BLAS runs fastest for the row count.
 
-    `weight_t` `[in, out]` contiguous is the parameter: one row (batch-1 decode) and more than
-    `PACKED_MAX_ROWS` rows (prefill, big batches) multiply it, where `x @ W_t` is faster than
-    `F.linear` on `[out, in]`. Between those sizes MKL is slow with it, and a speculative step at
-    batch 1 feeds k + 1 = 2-9 rows: there `F.linear` on `[out, in]` wins for two and three rows,
-    and oneDNN's packed layout, whose time hardly grows with the rows, for more.
-
-    So on the CPU (`Transformer.add_cpu_layouts`) a module may also hold `weight_rows` (`[out, in]`,
-    for `ROW_MAJOR_ROWS`) and `weight_packed` (oneDNN's layout, for up to `PACKED_MAX_ROWS` rows):
-    extra memory that brings a small step's cost closer to a one-row step's. Decode's
-    `--no-cpu-weight-layouts` leaves them out, which is how to measure what they buy on a given CPU.
+    `weight_t` `[in, out]` contiguous is the parameter. On the CPU (`Transformer.add_cpu_layouts`) a
+    module may also hold `weight_rows` (`[out, in]`) and `weight_packed` (oneDNN's layout): a speculative
+    step at batch 1 feeds k + 1 = 2-9 rows, where MKL is slow with `[in, out]` and another layout can
+    bring the step's cost close to a one-row step's. `plan[rows]` names the layout (`LAYOUTS`) for a
+    step of that many rows (`x @ W_t` past the plan's end or where the layout is absent); the model
+    sets it for all its modules (`Transformer.set_step_plan`). Decode's `--no-cpu-weight-layouts` leaves
+    the extra layouts out, which is how to measure what they buy on a given CPU.
     """
-
-    ROW_MAJOR_ROWS = (2, 3)
-    PACKED_MAX_ROWS = 12
 
     def __init__(self, d_in: int, d_out: int):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(d_in, d_out))
         self.weight_rows: Tensor | None = None
         self.weight_packed: Tensor | None = None
+        self.plan: tuple[str, ...] = default_step_plan()
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
-        if rows == 1:
-            return x @ self.weight_t
-        if self.weight_rows is not None and rows in self.ROW_MAJOR_ROWS:
+        choice = self.plan[rows] if rows < len(self.plan) else "t"
+        if choice == "rows" and self.weight_rows is not None:
             return F.linear(x, self.weight_rows)
-        if self.weight_packed is not None and 2 <= rows <= self.PACKED_MAX_ROWS:
+        if choice == "packed" and self.weight_packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight_packed, None, "none", [], "")
         return x @ self.weight_t
 
@@ -257,6 +262,36 @@ class Transformer(nn.Module):
                 try:
                     mod.weight_packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
                 except (RuntimeError, AttributeError):  # an oneDNN without the op: BLAS it is
+                    mod.weight_packed = None
+
+    def step_layouts(self) -> tuple[str, ...]:
+        """The layouts (`LAYOUTS`) this model's projections hold: always "t", plus the CPU copies it keeps."""
+        mods = [m for m in self.modules() if isinstance(m, Linear)]
+        have = ["t"]
+        if mods and all(m.weight_rows is not None for m in mods):
+            have.append("rows")
+        if mods and all(m.weight_packed is not None for m in mods):
+            have.append("packed")
+        return tuple(have)
+
+    def set_step_plan(self, plan: tuple[str, ...] | list[str]) -> None:
+        """Use layout `plan[rows]` for steps of `rows` rows (see `Linear`); unknown names are refused."""
+        bad = sorted(set(plan) - set(LAYOUTS))
+        if bad:
+            raise ValueError(f"unknown weight layout(s) {bad} in a step plan; known: {', '.join(LAYOUTS)}")
+        plan = tuple(plan)
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.plan = plan
+
+    def release_unplanned_layouts(self) -> None:
+        """Drop the CPU weight copies the step plan never uses: a layout that measured slower than the others
+        at every row count is memory spent for nothing."""
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                if "rows" not in mod.plan:
+                    mod.weight_rows = None
+                if "packed" not in mod.plan:
                     mod.weight_packed = None
 
 

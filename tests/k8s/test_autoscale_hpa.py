@@ -96,9 +96,9 @@ class FakeKubelet(threading.Thread):
                 for name in names:
                     r = LoadReport(
                         worker_id=name, role="prefill", model="m", isvc=ISVC, pool=POOL, pod=name, namespace=self.ns,
-                        queue_depth=self.queue_depth, stale_after_s=3.0,
+                        queue_depth=self.queue_depth, stale_after_s=3.0, scope=f"{self.ns}.{ISVC}",
                     )
-                    await nc.publish(Subjects.load("prefill", name), r.encode())
+                    await nc.publish(Subjects.load(r.scope, "prefill", name), r.encode())
                 await nc.flush()
                 await asyncio.sleep(1.0)
         finally:

@@ -112,7 +112,8 @@ def test_helm_install_upgrade_and_operator_under_chart_rbac(k8s_cluster, k8s_api
                             timeout=60) as runner:
                 for kind, api, name in [("Deployment", "apps/v1", "qwen-decode"), ("Service", "v1", "qwen"),
                                         ("HorizontalPodAutoscaler", "autoscaling/v2beta2", "qwen-prefill"),
-                                        ("PodDisruptionBudget", "policy/v1beta1", "qwen-decode")]:
+                                        ("PodDisruptionBudget", "policy/v1beta1", "qwen-decode"),
+                                        ("NetworkPolicy", "networking.k8s.io/v1", "qwen-workers")]:
                     wait_for(lambda: kube.get(api, kind, app_ns, name), f"{kind} {name} under chart RBAC")
                 copied = wait_for(lambda: kube.get("v1", "Secret", app_ns, "qwen-nats"), "NATS credentials copy")
                 assert copied["data"]["password"] == password

@@ -112,7 +112,9 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
         uid = owner["metadata"]["uid"]
         children = [*deps.values(),
                     kube.get("v1", "Service", ns, name), kube.get("v1", "Service", ns, f"{name}-decode"),
-                    kube.get("v1", "Secret", ns, f"{name}-nats")]
+                    kube.get("v1", "Secret", ns, f"{name}-nats"),
+                    kube.get("networking.k8s.io/v1", "NetworkPolicy", ns, f"{name}-workers"),
+                    kube.get("networking.k8s.io/v1", "NetworkPolicy", ns, f"{name}-front")]
         # The test server is v1.20: discovery must have picked autoscaling/v2beta2 and policy/v1beta1.
         for pool in ("prefill", "decode"):
             children.append(kube.get("autoscaling/v2beta2", "HorizontalPodAutoscaler", ns, f"{name}-{pool}"))
@@ -121,6 +123,10 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
             assert c is not None
             assert [o["uid"] for o in c["metadata"]["ownerReferences"]] == [uid], c["metadata"]["name"]
             assert c["metadata"]["labels"]["app.kubernetes.io/instance"] == name
+        # the server took the workers' policy as rendered: ingress from the deployment's own pods only
+        netpol = kube.get("networking.k8s.io/v1", "NetworkPolicy", ns, f"{name}-workers")["spec"]
+        assert netpol["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {
+            "app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": name}}}]
         dec = deps["decode"]["spec"]["template"]["spec"]["containers"][0]
         assert dec["resources"]["limits"]["nvidia.com/gpu"] == "2"
         assert deps["prefill"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
@@ -186,7 +192,8 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
             left = [kube.get("apps/v1", "Deployment", ns, f"{name}-{p}") for p in ("prefill", "decode", "front")]
             left += [kube.get("v1", "Service", ns, name), kube.get("v1", "Secret", ns, f"{name}-nats"),
                      kube.get("autoscaling/v2beta2", "HorizontalPodAutoscaler", ns, f"{name}-prefill"),
-                     kube.get("policy/v1beta1", "PodDisruptionBudget", ns, f"{name}-prefill")]
+                     kube.get("policy/v1beta1", "PodDisruptionBudget", ns, f"{name}-prefill"),
+                     kube.get("networking.k8s.io/v1", "NetworkPolicy", ns, f"{name}-workers")]
             return all(x is None for x in left)
         wait_for(collected, "children garbage-collected")
     assert runner.exception is None

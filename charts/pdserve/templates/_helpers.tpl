@@ -79,3 +79,16 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "pdserve.webhookName" -}}
 {{- printf "%s-webhook" (include "pdserve.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
+
+{{/* Secret holding the NATS server's users.conf (a user per InferenceService, kept by the operator). */}}
+{{- define "pdserve.natsUsersSecretName" -}}
+{{- printf "%s-users" (include "pdserve.natsName" .) }}
+{{- end }}
+
+{{/* The first users.conf: the chart's own user, the metrics adapter's read-only observer
+(operator/natsusers.py renders the same text; tests/test_chart.py holds them equal). */}}
+{{- define "pdserve.natsChartUsers" -}}
+users: [
+  {"user": $NATS_USER, "password": $NATS_PASSWORD, "permissions": {"publish": {"deny": [">"]}, "subscribe": {"allow": ["pdserve.v2.load.>", "pdserve.v2.bye.>"]}}}
+]
+{{ end }}

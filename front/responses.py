@@ -1,0 +1,202 @@
+"""OpenAI response shapes: the pydantic models `/openapi.json` publishes, and the logprobs formats.
+
+The front builds its bodies as plain dicts on the hot path; these models describe them (the tests
+validate real responses against the published schema). Logprobs are the raw model's, as vLLM v1
+returns them by default (see `pdserve.processors`); a token's text is its bytes decoded alone,
+and `bytes` (chat) are its real bytes, so characters split across tokens can be put back together.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from pdserve.kvtransfer.protocol import TokenLogprob
+
+
+class TokenTexts:
+    """Each token id's text and bytes, built once per tokenizer from its vocabulary."""
+
+    def __init__(self, tokenizer):
+        from pdserve.jsonmask import token_bytes
+
+        self.tokenizer = tokenizer
+        self._bytes = token_bytes(tokenizer)
+
+    def text(self, token: int) -> str:
+        b = self._bytes[token] if 0 <= token < len(self._bytes) else None
+        return b.decode("utf-8", errors="replace") if b is not None else self.tokenizer.decode([token])
+
+    def bytes(self, token: int) -> list[int]:
+        b = self._bytes[token] if 0 <= token < len(self._bytes) else None
+        return list(b if b is not None else self.text(token).encode())
+
+    _lock = threading.Lock()
+    _shared: dict[int, "TokenTexts"] = {}
+
+    @classmethod
+    def of(cls, tokenizer) -> "TokenTexts":
+        with cls._lock:
+            t = cls._shared.get(id(tokenizer))
+            if t is None:
+                t = cls._shared[id(tokenizer)] = cls(tokenizer)
+            return t
+
+
+def chat_logprobs(tokens: list[int], lps: list[TokenLogprob], texts: TokenTexts) -> dict:
+    """`choices[].logprobs` of a chat completion (or chunk) for these tokens."""
+    def entry(t: int, lp: float) -> dict:
+        return {"token": texts.text(t), "logprob": lp, "bytes": texts.bytes(t)}
+
+    return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
+                        for t, lp in zip(tokens, lps)]}
+
+
+def completion_logprobs(tokens: list[int], lps: list[TokenLogprob], texts: TokenTexts, offset: int) -> dict:
+    """`choices[].logprobs` of a text completion (or chunk): `offset` is the choice's text length
+    before these tokens (text_offset counts characters of the tokens' texts)."""
+    strings = [texts.text(t) for t in tokens]
+    offsets = []
+    for s in strings:
+        offsets.append(offset)
+        offset += len(s)
+    top = [{**{texts.text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)}, s: lp.logprob}
+           for s, lp in zip(strings, lps)]
+    return {"tokens": strings, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+# -- the shapes, for /openapi.json -----------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    prepositioned: bool | None = None
+
+
+class SpeculationUsage(BaseModel):
+    draft_tokens: int
+    accepted_tokens: int
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    speculation: SpeculationUsage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: CompletionLogprobs | None = None
+    token_ids: list[int] | None = Field(default=None, description="pdserve: with return_token_ids")
+
+
+class CompletionResponse(BaseModel):
+    """`/v1/completions`; streamed, each SSE `data:` is this shape (object `text_completion`) with the
+    new text of one choice, then `data: [DONE]`."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason | None
+    logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = Field(default=None, description="pdserve: with return_token_ids")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE `data:` of a streamed `/v1/chat/completions`, then `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error; on a stream that already started, one SSE `data:` of this shape and no `[DONE]`."""
+
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]

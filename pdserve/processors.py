@@ -1,0 +1,129 @@
+"""History-dependent logits processing for one sequence: penalties, min_tokens, the JSON mask; and logprobs.
+
+A token's distribution under these options depends on the tokens before it, so each position is
+processed with its own history. Speculative verification scores k drafts in one forward; row j of
+its logits is processed as if drafts[:j] had been accepted (`SequenceProcessor.process`), which is
+exactly what plain decoding would see at that position when they are — so drafts are verified
+against the very distribution plain decoding samples from, and greedy or seeded output does not
+depend on whether, or how far, a request speculated.
+
+What is applied, in vLLM's order, to the raw logits (float32) of a position:
+
+1. `min_tokens`: EOS (unless `ignore_eos`) and `stop_token_ids` are cut (-inf) while fewer than
+   `min_tokens` tokens were generated (transformers' `MinNewTokensLengthLogitsProcessor`).
+2. `response_format: json_object`: every token that would leave a valid JSON object is cut
+   (`pdserve.jsonmask`); once the object is closed only EOS remains, whatever min_tokens says.
+3. `repetition_penalty` r on every token of the prompt or the output: a logit x becomes x / r if
+   x > 0, else x * r (transformers' `RepetitionPenaltyLogitsProcessor`); then
+   `frequency_penalty` f and `presence_penalty` p on output tokens: x - f * count - p * (count > 0)
+   (OpenAI's definition, as vLLM applies it).
+
+Greedy takes the argmax of the result; sampling continues with temperature, min-p, top-k, top-p
+(`pdserve.kernels.spec_verify.process_logits`).
+
+Logprobs are the raw model's (log-softmax of the logits before any processing), as vLLM v1
+returns them by default (`logprobs_mode="raw_logprobs"`).
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.basetypes import SamplingParams
+from pdserve.jsonmask import DONE, INITIAL, JsonVocab
+
+
+class SequenceProcessor:
+    """One sequence's processing state: what it was prompted with and has generated so far.
+
+    `vocab`: the logits' width (the model's vocabulary, which may exceed the tokenizer's);
+    `eos_token_ids`: the model's end tokens; `json_vocab`: needed when the request asks for JSON.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], generated: list[int], vocab: int,
+                 eos_token_ids: set[int], json_vocab: JsonVocab | None = None):
+        self.params = params
+        self.vocab = vocab
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._stop_ids = torch.tensor(sorted(t for t in stops if t < vocab), dtype=torch.long)
+        self._penalties = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                           or params.frequency_penalty != 0.0)
+        self.generated = 0
+        if self._penalties:
+            self.counts = torch.zeros(vocab)  # output token counts
+            self.seen = torch.zeros(vocab, dtype=torch.bool)  # prompt or output tokens (repetition penalty)
+            if prompt_ids:
+                self.seen[torch.tensor(prompt_ids, dtype=torch.long)] = True
+        self.json_vocab = json_vocab if params.response_format == "json_object" else None
+        if params.response_format == "json_object" and json_vocab is None:
+            raise ValueError("response_format json_object needs the tokenizer's JsonVocab")
+        self.json_state = INITIAL if self.json_vocab is not None else None
+        self.advance(generated)
+
+    def advance(self, tokens: list[int]) -> None:
+        """Count tokens that were generated (committed)."""
+        for t in tokens:
+            self.generated += 1
+            if self._penalties and 0 <= t < self.vocab:
+                self.counts[t] += 1
+                self.seen[t] = True
+            if self.json_vocab is not None:
+                self.json_state = self.json_vocab.advance(self.json_state, t)
+
+    def process(self, logits: torch.Tensor, drafts: list[int] = ()) -> torch.Tensor:
+        """Raw logits `[n, vocab]` (row j: the position after drafts[:j]) → processed logits `[n, vocab]`
+        float32, a new tensor. n ≤ len(drafts) + 1."""
+        n = logits.shape[0]
+        out = logits.float().clone()
+        drafts = list(drafts)[: n - 1]
+        json_states = [self.json_state]
+        for d in drafts:
+            json_states.append(self.json_vocab.advance(json_states[-1], d) if self.json_vocab is not None else None)
+        for j in range(n):
+            done = json_states[j] is not None and json_states[j].mode == DONE  # only EOS is left
+            if self.generated + j < self.params.min_tokens and len(self._stop_ids) and not done:
+                out[j, self._stop_ids] = float("-inf")
+            if self.json_vocab is not None and json_states[j] is not None:
+                out[j].masked_fill_(~self.json_vocab.mask(json_states[j]), float("-inf"))
+        if self._penalties:
+            counts = self.counts.expand(n, -1).clone()
+            for j, d in enumerate(drafts):
+                if 0 <= d < self.vocab:
+                    counts[j + 1 :, d] += 1
+            out = apply_penalties(out, self.seen[None] | (counts > 0), counts, self.params)
+        return out
+
+
+def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Repetition, frequency and presence penalties. logits `[n, V]` float32, seen `[n, V]` bool (prompt
+    or output), counts `[n, V]` float (output occurrences) → `[n, V]`."""
+    r = params.repetition_penalty
+    if r != 1.0:
+        penalised = torch.where(logits > 0, logits / r, logits * r)
+        logits = torch.where(seen, penalised, logits)
+    if params.frequency_penalty:
+        logits = logits - params.frequency_penalty * counts
+    if params.presence_penalty:
+        logits = logits - params.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def make_processor(params: SamplingParams, prompt_ids: list[int], generated: list[int], vocab: int, tokenizer,
+                   eos_token_ids: set[int]) -> SequenceProcessor | None:
+    """The processor a request needs, or None when its distributions depend on nothing but the
+    logits (then plain sampling applies as is, at no cost)."""
+    if not params.history_dependent:
+        return None
+    jv = JsonVocab.of(tokenizer, eos_token_ids) if params.response_format == "json_object" else None
+    return SequenceProcessor(params, prompt_ids, generated, vocab, eos_token_ids, json_vocab=jv)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[dict]:
+    """Raw logprobs of chosen tokens: logits `[n, V]` (row j chose tokens[j]) → per token
+    {logprob, top_ids, top_logprobs} (the fields of `kvtransfer.protocol.TokenLogprob`), `top`
+    alternatives each, most likely first."""
+    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    if not top:
+        return [{"logprob": c} for c in chosen]
+    vals, idx = lp.topk(top, dim=-1)
+    return [{"logprob": c, "top_ids": i, "top_logprobs": v} for c, i, v in zip(chosen, idx.tolist(), vals.tolist())]
