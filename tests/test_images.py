@@ -3,6 +3,7 @@ every package folder reaches the images, and the slim operator image's dependenc
 project's own and all that `pdserve operator` imports."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -47,6 +48,13 @@ def test_operator_image_dependencies_are_the_projects_and_cover_its_imports():
             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
     loaded = set(json.loads(out.stdout))
+    # ... and what its modules import inside functions (loaded only when that code runs).
+    for path in (REPO / "operator").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                loaded |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                loaded.add(node.module.split(".")[0])
     # Every project requirement it loads comes with the operator image's distributions (torch is
     # kept out of the operator by test_operator_reconcile; here: what the image must hold).
     by_module = packages_distributions()
