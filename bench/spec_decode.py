@@ -135,6 +135,18 @@ def table(results: list[dict], workloads, a, name: str, clock: str) -> list[dict
     return summary
 
 
+def calibration_note(model_dir, max_k: int) -> str:
+    """What the decode worker's calibration chose on this machine (the same cached profile it loads at
+    start, measured here first if there is none yet): step cost and weight layout per row count."""
+    from pdserve.engine.calibrate import calibrated
+    from pdserve.engine.runner import PagedRunner
+
+    engine = PagedRunner(model_dir, num_blocks=64, prefix_cache=False)
+    prof = calibrated(engine, max_k=max_k)
+    del engine
+    return "calibration: " + prof.summary()
+
+
 def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -149,6 +161,8 @@ def main() -> int:
     p.add_argument("--lookup", type=int, default=10, help="transformers prompt_lookup_num_tokens")
     p.add_argument("--repeat", type=int, default=1, help="run everything N times; report median ratios")
     p.add_argument("--json", default=None)
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="decode without the step-cost calibration (the fixed layout ranges and the linear cost fit)")
     a = p.parse_args()
     torch.set_num_threads(1)
     model_dir = resolve_model(a.model)
@@ -156,8 +170,12 @@ def main() -> int:
     workloads = get_workloads(a.workloads)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if not a.no_calibrate:
+        print(calibration_note(model_dir, a.max_k), flush=True)
     results = []
-    with LocalCluster(str(model_dir), worker_args={"decode": ["--spec-method", "ngram", "--spec-max-k", str(a.max_k)]}) as c:
+    decode_args = ["--spec-method", "ngram", "--spec-max-k", str(a.max_k),
+                   *(["--no-spec-calibrate"] if a.no_calibrate else [])]
+    with LocalCluster(str(model_dir), worker_args={"decode": decode_args}) as c:
         decode_pid = c.procs["decode-0"].pid
         cpu = lambda: process_cpu_seconds(decode_pid)  # noqa: E731
         runners = {

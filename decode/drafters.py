@@ -237,6 +237,13 @@ class NgramDrafter:
         if k <= 0:
             return Draft([], None)
         proposal, n = idx.lookup(k)
+        return self.adopt(request_id, proposal, n)
+
+    def adopt(self, request_id: str, proposal: list[int], n: int) -> Draft:
+        """Trim and track ``proposal``, the continuation of an ``n``-token match, as this drafter's own
+        proposal for the request (found by its index, or elsewhere: the draft pool's fleet index): the
+        match length's learned acceptance trims it, ``confidence`` / ``trim`` / ``feedback`` then apply."""
+        proposal = list(proposal)
         hot = request_id in self._hot
         if proposal and self.min_reach > 0.0:
             alpha = self.match_alpha(n, hot)

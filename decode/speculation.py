@@ -23,6 +23,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 __all__ = [
     "SpanKind",
@@ -248,8 +249,11 @@ class _DecayedLinearFit:
 class LatencyModel:
     """Online cost model (seconds).
 
-    * verify: ``verify_seconds(batch, k) ≈ a + b · batch · (k + 1)`` — one target forward over
-      ``batch`` sequences of ``k + 1`` tokens (k = 0 is a plain decode step).
+    * verify: one target forward over ``batch`` sequences of ``k + 1`` tokens (k = 0 is a plain
+      decode step). With ``step_costs`` (rows → seconds, measured on this machine: e.g.
+      ``pdserve.engine.calibrate.StepProfile.cost``) ``verify_seconds(batch, k) = s · step_costs(batch · (k + 1))``,
+      the measured shape scaled by ``s``, a decayed geometric mean of observed / predicted (load, context
+      length); without, the linear fit ``a + b · batch · (k + 1)``.
     * draft: ``draft_seconds(method, k) ≈ c_m + d_m · k`` per drafting method (per request).
 
     Priors (used before data, faded by it): verify ``verify_prior = (a, b)``; draft per method
@@ -265,8 +269,11 @@ class LatencyModel:
         draft_priors: dict[str, tuple[float, float]] | None = None,
         decay: float = 0.98,
         prior_weight: float = 4.0,
+        step_costs: Callable[[int], float] | None = None,
     ):
         self.decay = decay
+        self.step_costs = step_costs
+        self._log_scale = 0.0  # log of observed / measured step cost, decayed
         self.prior_weight = prior_weight
         self._verify = _DecayedLinearFit(*verify_prior, prior_x=(1.0, 8.0), prior_weight=prior_weight, decay=decay)
         self._draft_priors = dict(self.DEFAULT_DRAFT_PRIORS)
@@ -277,6 +284,9 @@ class LatencyModel:
     def observe_verify(self, batch_size: int, tokens_per_seq: int, seconds: float) -> None:
         """One target forward: ``batch_size`` sequences × ``tokens_per_seq`` (= k + 1) tokens."""
         self._verify.observe(float(batch_size * tokens_per_seq), float(seconds))
+        if self.step_costs is not None and seconds > 0:
+            ratio = seconds / max(self.step_costs(batch_size * tokens_per_seq), 1e-12)
+            self._log_scale = self.decay * self._log_scale + (1.0 - self.decay) * math.log(ratio)
 
     def observe_draft(self, method: str, k: int, seconds: float) -> None:
         """One request's proposal of ``k`` tokens by ``method`` took ``seconds``."""
@@ -290,7 +300,10 @@ class LatencyModel:
         return fit
 
     def verify_seconds(self, batch_size: int, k: int) -> float:
-        return max(self._verify.predict(float(batch_size * (k + 1))), 1e-9)
+        rows = batch_size * (k + 1)
+        if self.step_costs is not None:
+            return max(math.exp(self._log_scale) * self.step_costs(rows), 1e-9)
+        return max(self._verify.predict(float(rows)), 1e-9)
 
     def draft_seconds(self, method: str, k: int) -> float:
         if k <= 0:

@@ -35,7 +35,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from pdserve.basetypes import LayoutMismatch
 from pdserve.config import DecodeConfig
 from pdserve.decode.drafters import make_drafter
-from pdserve.decode.speculation import SpanTracker, SpeculationController
+from pdserve.decode.speculation import LatencyModel, SpanTracker, SpeculationController
 from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
 from pdserve.kernels.spec_verify import verify, verify_greedy
 from pdserve.kvtransfer.channel import KVReceiveChannel
@@ -150,7 +150,15 @@ class DecodeWorker(WorkerBase):
         self.preempted: deque[Sequence] = deque()
         self.spec_k_policy = args.spec.k_policy
         self.drafter = self._make_drafter(args)
-        self.controller = SpeculationController(method=args.spec.method)
+        self.step_profile = None
+        if self.spec_max_k and args.spec.calibrate:  # measured once per model, device and dtype, then cached
+            from pdserve.engine.calibrate import calibrated
+
+            self.step_profile = calibrated(self.engine, max_k=self.spec_max_k)
+            if hasattr(model := getattr(self.engine, "model", None), "release_unplanned_layouts"):
+                model.release_unplanned_layouts()
+        self.controller = SpeculationController(method=args.spec.method, latency=LatencyModel(
+            step_costs=self.step_profile.cost if self.step_profile else None))
         # The fused Triton verifier on GPUs; the torch reference (same function) on the CPU.
         self.verify_impl = "triton" if self.runner.device.type == "cuda" else "reference"
         r = self.registry
@@ -183,6 +191,8 @@ class DecodeWorker(WorkerBase):
                                        registry=r)
         self.m_spec_rate = Histogram("pdserve_spec_acceptance_rate", "accepted/proposed per verified step",
                                      registry=r, buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
+        if hasattr(self.drafter, "stats") and hasattr(self.drafter.stats, "collect"):
+            r.register(self.drafter.stats)  # the draft pool's asks, round trips and acceptance by drafter
         self.m_spec_k = Histogram("pdserve_spec_chosen_k", "speculation length chosen per step", registry=r,
                                   buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
 
@@ -194,7 +204,19 @@ class DecodeWorker(WorkerBase):
             # the event loop, which must keep heartbeats and token streams flowing meanwhile
             return make_drafter("draft", path=str(resolve_model(args.spec.draft_model)),
                                 target_tokenizer=self.runner.tokenizer, run_in_thread=True)
+        if args.spec.draft_pool:  # DecodeConfig makes sure the method is ngram
+            from pdserve.decode.pool_drafter import PoolDrafter
+
+            # the pool may take at most a quarter of a plain step: a slow pool costs little, a dead one nothing
+            return PoolDrafter(make_drafter("ngram"), tenant_of=self._tenant, timeout_s=args.spec.draft_pool_timeout,
+                               budget_s=lambda: 0.25 * self.controller.latency.verify_seconds(1, 0))
         return make_drafter(args.spec.method)
+
+    def _tenant(self, key: str) -> str:
+        """Whose text may draft for the sequence `key` (draft pool): its scope and the tenant its request names."""
+        s = self.running.get(key)
+        tenant = ((s.offer.spec or {}).get("tenant") if s else None) or "default"
+        return f"{self.scope}/{tenant}"
 
     def data_addr(self) -> str | None:
         return self.receiver.address if self.receiver.port else None
@@ -219,6 +241,8 @@ class DecodeWorker(WorkerBase):
                                            compressions=dict.fromkeys(("none", self.args.kv.compression)))
         await self.nc.subscribe(Subjects.decode_handoff(self.scope, self.worker_id), cb=self._on_offer)
         await self.nc.subscribe(Subjects.cancel_all(self.scope), cb=self._on_cancel)
+        if hasattr(self.drafter, "attach"):
+            self.drafter.attach(self.nc, self.scope, self.model_name)
         self.spawn(self._decode_loop())
 
     async def on_stop(self) -> None:
@@ -568,7 +592,10 @@ class DecodeWorker(WorkerBase):
                 if s.last_step >= 0:
                     self.m_wait_steps.observe(self.steps - s.last_step - 1)
                 s.last_step = self.steps
-            drafts = [await self._plan(s) for s in batch]
+            if getattr(self.drafter, "concurrent", False):  # remote drafts: ask for the whole batch at once
+                drafts = await asyncio.gather(*(self._plan(s) for s in batch))
+            else:
+                drafts = [await self._plan(s) for s in batch]
             self._stepping = {s.key for s in batch}
             t0 = time.perf_counter()
             try:

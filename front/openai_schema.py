@@ -39,6 +39,8 @@ class SpecOptions(Lenient):
     enabled: bool = True
     method: Literal["ngram", "draft", "none"] | None = None
     max_k: int | None = Field(default=None, ge=0, le=32)
+    # whose earlier text may draft for this request through the draft pool (default: the deployment's one tenant)
+    tenant: str | None = Field(default=None, min_length=1, max_length=128)
 
 
 class ResponseFormat(Lenient):

@@ -35,6 +35,8 @@ Subjects (`{s}` the deployment scope — see LoadReport.scope —, `{m}` the ser
 | pdserve.v2.kv.{s}.data.{t}               | prefill → decode | KV frames (NATS-chunked and  |
 |                                          |                  | object-store transports)     |
 | pdserve.v2.kv.{s}.failed.{r}             | either side → all| TransferFailed               |
+| pdserve.v2.draft.{s}.{m} (queue)         | decode → pool    | DraftRequest → DraftReply    |
+| pdserve.v2.draft.{s}.{m}.report          | decode → pools   | DraftReport (fire and forget)|
 
 Object-store buckets (`Buckets`) are per scope too: `pdserve-kv-{s}` (the objstore transport) and
 `pdserve-prefix-{s}` (the prefix offload tier; per scope, so one deployment cannot probe which
@@ -161,6 +163,16 @@ class Subjects:
     @staticmethod
     def kv_failed_all(scope: str) -> str:
         return f"{PREFIX}.kv.{scope_token(scope)}.failed.*"
+
+    @staticmethod
+    def draft(scope: str, model: str) -> str:
+        """The draft pool's request subject for a model's drafts (a queue group: one pool replica answers)."""
+        return f"{PREFIX}.draft.{scope_token(scope)}.{_safe_token(model)}"
+
+    @staticmethod
+    def draft_report(scope: str, model: str) -> str:
+        """Where decode workers report finished requests' tokens to every draft pool replica."""
+        return f"{Subjects.draft(scope, model)}.report"
 
     @staticmethod
     def scope_of(subject: str) -> str | None:
@@ -418,3 +430,34 @@ class StreamEvent(Message):
 class Cancel(Message):
     request_id: str
     reason: str = "client went away"
+
+
+class DraftRequest(Message):
+    """decode → draft pool: propose up to `k` tokens to follow `tail` (the last tokens of the request's
+    prompt + output), from text of `tenant` only. A pool drops a request that waited past `timeout_ms`."""
+
+    request_id: str
+    tenant: str
+    tail: list[int] = Field(max_length=1024)
+    k: int = Field(ge=1, le=64)
+    timeout_ms: float = Field(gt=0)
+
+
+class DraftReply(Message):
+    """draft pool → decode: `token_ids` (maybe empty) follow an earlier occurrence of the tail's last
+    `match_len` tokens; `batch_size`: requests the pool answered in the same pass; `overloaded`: the pool
+    shed this request (ask again later)."""
+
+    request_id: str
+    token_ids: list[int]
+    match_len: int = 0
+    batch_size: int = 1
+    overloaded: bool = False
+
+
+class DraftReport(Message):
+    """decode → draft pools: a finished request's tokens (prompt + output) join `tenant`'s index."""
+
+    request_id: str
+    tenant: str
+    token_ids: list[int]

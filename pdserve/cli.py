@@ -12,6 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "front": ("pdserve.front.server:main", "run the OpenAI-compatible HTTP front"),
     "prefill": ("pdserve.prefill.worker:main", "run a prefill worker"),
     "decode": ("pdserve.decode.worker:main", "run a decode worker"),
+    "draftpool": ("pdserve.draftpool.server:main", "run a draft pool: fleet-wide suffix drafts for decode workers"),
     "model": ("pdserve.modelcli:main", "fetch/convert models into the local cache"),
     "bench": ("pdserve.bench:main", "benchmarks: serving path vs transformers generate"),
     "operator": ("pdserve.operator.main:main", "run the Kubernetes operator (kopf)"),

@@ -146,6 +146,15 @@ class SpeculationConfig(Settings):
                                 "pay); fixed: always the max (for tests and measurements)")
     draft_model: Annotated[str | None, Opt(flag="draft-model")] = Field(
         None, description="checkpoint folder of the draft model (method draft); it must share the target's tokenizer")
+    draft_pool: Annotated[bool, Opt(flag="draft-pool")] = Field(
+        False, description="also ask the deployment's draft pool (pdserve draftpool) for drafts from every "
+                           "request's text (method ngram); local drafts when it is slow, overloaded or gone")
+    draft_pool_timeout: Annotated[float, Opt(flag="draft-pool-timeout")] = Field(
+        0.02, gt=0, description="most seconds a step waits for the pool's draft (less where a quarter of "
+                                      "a plain step is less)")
+    calibrate: bool = Field(
+        True, description="measure the engine step's cost per row count and its fastest weight layout on this "
+                          "machine at start (cached per model, device and dtype) and choose k from those costs")
 
 
 # ------------------------------------------------------------------------------------------ processes
@@ -231,9 +240,9 @@ class DecodeConfig(WorkerConfig):
         "auto", description="paged: block pool + batched steps (Llama-family); dense: per-sequence caches; auto: "
                             "paged where it applies")
     cpu_weight_layouts: bool = Field(
-        True, description="on the CPU, keep two more copies of the weights that make steps of 2-12 rows "
-                          "(speculative verification, small batches) cheaper; off saves that memory (2x the "
-                          "model's projection weights)")
+        True, description="on the CPU, keep up to two more copies of the weights that make steps of 2-12 rows "
+                          "(speculative verification, small batches) cheaper (with --spec-calibrate, only those "
+                          "measured faster here); off saves that memory (up to 2x the model's projection weights)")
     spec: SpeculationConfig = Field(default_factory=SpeculationConfig)
     kv: KVReceiveConfig = Field(default_factory=KVReceiveConfig)
 
@@ -241,6 +250,28 @@ class DecodeConfig(WorkerConfig):
     def _draft(self) -> "DecodeConfig":
         if self.spec.method == "draft" and not self.spec.draft_model:
             raise ValueError("--spec-method draft needs --draft-model PATH (a model sharing the target's tokenizer)")
+        if self.spec.draft_pool and self.spec.method != "ngram":
+            raise ValueError("--draft-pool drafts beside prompt lookup: it needs --spec-method ngram")
+        return self
+
+
+class DraftPoolConfig(ProcessConfig):
+    """`pdserve draftpool`: a fleet-wide suffix index answering decode workers' draft requests."""
+
+    min_n: int = Field(2, ge=1, le=16, description="shortest context suffix a draft may follow")
+    max_n: int = Field(8, ge=1, le=32, description="longest context suffix looked up")
+    max_tokens: int = Field(1 << 18, ge=1, description="most tokens of reported requests held (least recently "
+                                                       "used evicted first); memory grows ~100 bytes per token "
+                                                       "per suffix length")
+    share_tenants: bool = Field(False, description="let one tenant's text draft for another's requests")
+    max_queue: int = Field(256, ge=1, description="most draft requests waiting; past it a request is answered "
+                                                  "'overloaded' at once and its worker drafts locally")
+    metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus /metrics on this port (0: off)")
+
+    @model_validator(mode="after")
+    def _ngram(self) -> "DraftPoolConfig":
+        if self.min_n > self.max_n:
+            raise ValueError(f"--min-n {self.min_n} exceeds --max-n {self.max_n}")
         return self
 
 
@@ -297,7 +328,8 @@ class OperatorSettings(Settings):
         return nats_url(v)
 
 
-COMMANDS: dict[str, type[ProcessConfig]] = {"prefill": PrefillConfig, "decode": DecodeConfig, "front": FrontConfig}
+COMMANDS: dict[str, type[ProcessConfig]] = {"prefill": PrefillConfig, "decode": DecodeConfig, "front": FrontConfig,
+                                             "draftpool": DraftPoolConfig}
 """The serving commands (`pdserve <name>`, and the operator's pools of the same names) by their settings."""
 
 

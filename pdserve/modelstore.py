@@ -105,6 +105,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     """Convert a GGUF file into a float32 checkpoint folder at `target` (once: a converted folder is reused)."""
     marker = target / "pdserve-converted.json"
     if marker.is_file() and json.loads(marker.read_text()).get("version") == _CONVERSION_VERSION:
+        _world_readable(target)  # a cache converted before the weights were written readable
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,6 +134,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     (tmp / "pdserve-converted.json").write_text(
         json.dumps({"version": _CONVERSION_VERSION, "source": gguf.name, "seconds": time.monotonic() - t0})
     )
+    _world_readable(tmp)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     model_fingerprint(target)
@@ -145,6 +147,7 @@ def ensure_known_model(name: str, install: bool = True) -> Path:
     target = cache_dir() / "models" / name
     if (target / "pdserve-converted.json").is_file() and \
             json.loads((target / "pdserve-converted.json").read_text()).get("version") == _CONVERSION_VERSION:
+        _world_readable(target)  # a cache converted before the weights were written readable
         return target
     return convert_gguf(_gguf_location(KNOWN[name], install), target)
 
@@ -158,6 +161,13 @@ def _converted_dir(gguf: Path) -> Path:
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:8]
     return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def _world_readable(folder: Path) -> None:
+    """Weights are written owner-only (0600); pods mounting the folder run as another user."""
+    for f in folder.iterdir():
+        if f.is_file() and f.stat().st_mode & 0o044 != 0o044:
+            f.chmod(f.stat().st_mode | 0o044)
 
 
 def resolve_model(spec: str | None) -> Path:

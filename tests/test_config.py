@@ -52,7 +52,8 @@ def test_flags_win_over_environment_over_defaults():
 def test_names_are_derived_in_one_place():
     """--group-field and PDSERVE_GROUP_FIELD for every option, except the few that keep a name of
     their own (stated in their field) — secrets and the downward API are never flags."""
-    own_names = {"kv.timeout", "kv.shm_pool_bytes", "kv.shm_sender_map_bytes", "spec.draft_model", "namespace",
+    own_names = {"kv.timeout", "kv.shm_pool_bytes", "kv.shm_sender_map_bytes", "spec.draft_model", "spec.draft_pool",
+                 "spec.draft_pool_timeout", "namespace",
                  "pod_name", "advertise_host", "own_namespace"}
     for cls in (*COMMANDS.values(), OperatorSettings):
         for o in options(cls):
@@ -138,6 +139,8 @@ def test_rendered_args_parse_back_to_the_same_settings(cls):
                 values[o.path] = v
         if cls is DecodeConfig and values.get("spec.method") == "draft":
             values["spec.draft_model"] = "/models/draft"
+        if cls is DecodeConfig and values.get("spec.draft_pool"):
+            values["spec.method"] = "ngram"  # the pool drafts beside prompt lookup only
         cfg = cls.model_validate(config._nest(values))
         args = to_args(cfg)
         assert load(cls, args, {}) == cfg, args

@@ -168,6 +168,18 @@ class HFPagedModel(nn.Module):
                                    "needs one attention per decoder layer")
         return [seen[i] for i in range(n)]
 
+    def step_layouts(self) -> tuple[str, ...]:
+        """The weight layouts a step calibration (`engine.calibrate`) may choose between: only "t" — the
+        small-step layouts of `cpustep.CpuLinear` follow a fixed rule of row counts, so the step is
+        measured as it is."""
+        return ("t",)
+
+    def set_step_plan(self, plan: tuple[str, ...]) -> None:
+        """Accept a calibration's plan (a layout per row count); names other than `step_layouts()` are refused."""
+        unknown = sorted(set(plan) - set(self.step_layouts()))
+        if unknown:
+            raise ValueError(f"unknown weight layout(s) {unknown}; this model offers {self.step_layouts()}")
+
     def forward(self, input_ids: Tensor, positions: Tensor, kv: Tensor, batch: PagedBatch, logits_index: Tensor) -> Tensor:
         """One ragged step.
 

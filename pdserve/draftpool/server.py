@@ -1,0 +1,159 @@
+"""`pdserve draftpool`: the draft pool process — fleet-wide suffix drafts for every decode worker, over NATS.
+
+It subscribes, in a queue group, to the deployment's draft subject (`Subjects.draft(scope, model)`)
+and answers `DraftRequest`s from the `SuffixIndex` that decode workers' `DraftReport`s fill
+(`Subjects.draft_report`, which every replica hears). Requests that arrive while a pass runs are
+answered together in the next pass (one lookup loop, one batch: `pdserve_draftpool_batch_size`);
+past `max_queue` waiting, a request is answered at once with `overloaded` so its worker drafts
+locally, and one that already waited past its own deadline is dropped (its worker stopped waiting).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+
+import nats
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from pdserve.config import DraftPoolConfig, load
+from pdserve.draftpool.index import SuffixIndex
+from pdserve.kvtransfer.protocol import DraftReply, DraftReport, DraftRequest, ProtocolError, Subjects
+from pdserve.natsserver import NatsCredentials
+
+log = logging.getLogger("pdserve.draftpool")
+
+
+def served_name(cfg: DraftPoolConfig) -> str:
+    """The model name decode workers use in the draft subject: the served name, else the checkpoint folder's."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    if cfg.model == "default":
+        from pdserve.modelstore import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    return Path(cfg.model).name
+
+
+class DraftPool:
+    """The pool's request handling on an open NATS connection; `start` subscribes, `close` unsubscribes."""
+
+    def __init__(self, cfg: DraftPoolConfig, registry: CollectorRegistry | None = None):
+        self.cfg = cfg
+        self.index = SuffixIndex(min_n=cfg.min_n, max_n=cfg.max_n, max_tokens=cfg.max_tokens,
+                                 share_tenants=cfg.share_tenants)
+        self.subject = Subjects.draft(cfg.deployment_scope, served_name(cfg))
+        self._pending: list[tuple[float, object, DraftRequest]] = []
+        self.arrived = asyncio.Event()  # set when a request is queued
+        self.indexed = asyncio.Event()  # set when a report joined the index
+        self._subs: list = []
+        self._task: asyncio.Task | None = None
+        r = registry or CollectorRegistry()
+        self.registry = r
+        self.m_requests = Counter("pdserve_draftpool_requests_total", "draft requests", ["outcome"], registry=r)
+        self.m_batch = Histogram("pdserve_draftpool_batch_size", "draft requests answered in one pass",
+                                 registry=r, buckets=(1, 2, 4, 8, 16, 32, 64))
+        self.m_reports = Counter("pdserve_draftpool_reports_total", "finished requests indexed", registry=r)
+        self.m_draft_tokens = Counter("pdserve_draftpool_draft_tokens_total", "draft tokens proposed", registry=r)
+        Gauge("pdserve_draftpool_index_tokens", "tokens held by the suffix index", registry=r
+              ).set_function(lambda: self.index.num_tokens)
+
+    async def start(self, nc, *, serve: bool = True) -> None:
+        """Subscribe on `nc`; with `serve`, answer in passes as requests arrive (without, call `serve_once`)."""
+        self._subs = [await nc.subscribe(self.subject, queue="draftpool", cb=self._on_request),
+                      await nc.subscribe(Subjects.draft_report(self.cfg.deployment_scope, served_name(self.cfg)),
+                                         cb=self._on_report)]
+        if serve:
+            self._task = asyncio.create_task(self._serve())
+        log.info("draft pool answering on %s", self.subject)
+
+    async def close(self) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe()
+        if self._task:
+            self._task.cancel()
+
+    async def _on_report(self, msg) -> None:
+        try:
+            rep = DraftReport.decode(msg.data)
+        except ProtocolError as e:
+            log.warning("draft report refused: %s", e)
+            return
+        self.index.add(rep.tenant, rep.request_id, rep.token_ids)
+        self.m_reports.inc()
+        self.indexed.set()
+
+    async def _on_request(self, msg) -> None:
+        try:
+            req = DraftRequest.decode(msg.data)
+        except ProtocolError as e:
+            self.m_requests.labels("refused").inc()
+            log.warning("draft request refused: %s", e)
+            return
+        if len(self._pending) >= self.cfg.max_queue:
+            self.m_requests.labels("overloaded").inc()
+            await msg.respond(DraftReply(request_id=req.request_id, token_ids=[], overloaded=True).encode())
+            return
+        self._pending.append((time.monotonic(), msg, req))
+        self.arrived.set()
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for the next pass."""
+        return len(self._pending)
+
+    async def serve_once(self) -> int:
+        """Answer every request waiting now, as one batch (one lookup pass); → how many were answered."""
+        batch, self._pending = self._pending, []
+        now = time.monotonic()
+        live = [(msg, req) for t, msg, req in batch if (now - t) * 1e3 < req.timeout_ms]
+        self.m_requests.labels("expired").inc(len(batch) - len(live))
+        if not live:
+            return 0
+        self.m_batch.observe(len(live))
+        replies = []
+        for msg, req in live:  # lookups are microseconds each
+            ids, n = self.index.lookup(req.tenant, req.tail, req.k)
+            self.m_draft_tokens.inc(len(ids))
+            replies.append((msg, DraftReply(request_id=req.request_id, token_ids=ids, match_len=n,
+                                            batch_size=len(live))))
+        for msg, reply in replies:
+            try:
+                await msg.respond(reply.encode())
+                self.m_requests.labels("answered").inc()
+            except Exception as e:  # the asker's connection is gone: nothing to answer
+                log.debug("draft reply not sent: %s", e)
+        return len(live)
+
+    async def _serve(self) -> None:
+        while True:
+            await self.arrived.wait()
+            self.arrived.clear()
+            await self.serve_once()
+
+
+async def serve(cfg: DraftPoolConfig) -> None:
+    creds = NatsCredentials.from_config(cfg.nats, scope=cfg.deployment_scope)
+    nc = await creds.connect(name="pdserve-draftpool", max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+    pool = DraftPool(cfg)
+    await pool.start(nc)
+    if cfg.metrics_port:
+        start_http_server(cfg.metrics_port, registry=pool.registry)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await pool.close()
+    await nc.drain()
+
+
+def main(argv: list[str]) -> int:
+    from pdserve.workerbase import setup_logging
+
+    cfg = load(DraftPoolConfig, argv, prog="pdserve draftpool", description=__doc__.strip().split("\n")[0])
+    setup_logging(cfg.log_level)
+    asyncio.run(serve(cfg))
+    return 0
