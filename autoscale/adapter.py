@@ -13,9 +13,10 @@ over TLS; the HPA controller reads:
   (counts, bytes) or averaged (ratios, latencies) over the pool's fresh pods.
 
 Label selectors are evaluated against labels the adapter knows from the reports themselves —
-`pdserve.io/isvc`, `pdserve.io/pool`, `pdserve.io/role` (the operator puts the same labels on the
-pods; for external metrics the short keys `isvc`, `pool`, `role` work too) — so the adapter needs
-no RBAC on pods. A selector on any other key matches nothing: select a pool's pods by these labels.
+`pdserve.io/isvc`, `pdserve.io/pool`, `pdserve.io/role`, and the selector labels the operator gives
+each pool's pods (`app.kubernetes.io/name|instance|component`: what an HPA on an operator-made
+Deployment sends); for external metrics the short keys `isvc`, `pool`, `role` work too — so the
+adapter needs no RBAC on pods. A selector on any other key matches nothing.
 
 Authentication: with `--client-ca-file` (the apiserver's `--requestheader-client-ca-file`, i.e. the
 front-proxy CA), `/apis/...` requires a client certificate signed by it — only the aggregator gets
@@ -43,6 +44,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects, scope_token
 from pdserve.natsserver import NatsCredentials
+from pdserve.operator.reconcile import selector_labels
 
 log = logging.getLogger("pdserve.autoscale.adapter")
 
@@ -151,7 +153,7 @@ class _Entry:
 
 
 def report_labels(r: LoadReport, short: bool = False) -> dict[str, str]:
-    lb = {}
+    lb = selector_labels(r.isvc, r.pool) if r.isvc and r.pool else {}
     for key, val in ((LABEL_ISVC, r.isvc), (LABEL_POOL, r.pool), (LABEL_ROLE, r.role)):
         if val:
             lb[key] = val

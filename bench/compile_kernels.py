@@ -39,10 +39,12 @@ def paged_attention_sig(dt: str) -> dict:
     return {
         "q_ptr": f"*{dt}", "kv_ptr": f"*{dt}", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
         "query_start_ptr": "*i32", "out_ptr": f"*{dt}", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-        "part_acc_ptr": "*fp32", "scale": "fp32", "S": "i32", "T": "i32", "Q_HEADS": "i32", "SPLIT_LEN": "i32",
+        "part_acc_ptr": "*fp32", "sinks_ptr": "*fp32", "scale": "fp32", "softcap": "fp32", "S": "i32", "T": "i32",
+        "Q_HEADS": "i32", "SPLIT_LEN": "i32", "WINDOW": "i32",
         **{name: "i32" for name in ("s_qt", "s_qh", "s_ot", "s_oh", "s_block", "s_kv", "s_head", "s_tok", "s_bt")},
         **{name: "constexpr" for name in ("HEAD_DIM", "HEAD_DIM_PAD", "GROUP", "GROUP_PAD", "BLOCK_Q", "BLOCK_N",
-                                          "BLOCK_SIZE", "FP32_DOTS", "NUM_SPLITS")},
+                                          "BLOCK_SIZE", "FP32_DOTS", "NUM_SPLITS", "HAS_WINDOW", "HAS_SINKS",
+                                          "HAS_SOFTCAP")},
     }
 
 
@@ -53,14 +55,20 @@ def variants():
                    VERIFY_SIG, {"HAS_DRAFT_PROBS": has_q, "PER_POSITION_NOISE": per_position,
                                 "COUPLED": per_position and not has_q, "BLOCK_V": 2048, "BLOCK_K": 16}, 8)
     # one variant per dtype and shape family we launch (the float32 one, FMA dots, is the slowest to build)
-    for dt, head_dim, group, block_size, splits in (("fp32", 64, 1, 16, 1), ("bf16", 128, 4, 16, 1), ("fp16", 128, 8, 32, 1),
-                                                    ("bf16", 80, 6, 16, 1), ("bf16", 128, 4, 16, 8)):
+    # (window, sinks, softcap): plain; GPT-OSS's sliding layers; Gemma 2's capped sliding layers
+    for dt, head_dim, group, block_size, splits, (window, sinks, cap) in (
+            ("fp32", 64, 1, 16, 1, (False, False, False)), ("bf16", 128, 4, 16, 1, (False, False, False)),
+            ("fp16", 128, 8, 32, 1, (False, False, False)), ("bf16", 80, 6, 16, 1, (False, False, False)),
+            ("bf16", 128, 4, 16, 8, (False, False, False)), ("bf16", 64, 8, 16, 1, (True, True, False)),
+            ("bf16", 256, 2, 16, 1, (True, False, True))):
         group_pad = 1 << (group - 1).bit_length()
-        yield (f"paged_attention {dt} head_dim={head_dim} group={group} block_size={block_size} splits={splits}",
+        yield (f"paged_attention {dt} head_dim={head_dim} group={group} block_size={block_size} splits={splits} "
+               f"window={window} sinks={sinks} softcap={cap}",
                paged_attention._paged_attention_kernel, paged_attention_sig(dt),
                {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": 1 << (head_dim - 1).bit_length(), "GROUP": group,
                 "GROUP_PAD": group_pad, "BLOCK_Q": max(1, 64 // group_pad), "BLOCK_N": 64,
-                "BLOCK_SIZE": block_size, "FP32_DOTS": dt == "fp32", "NUM_SPLITS": splits}, 4)
+                "BLOCK_SIZE": block_size, "FP32_DOTS": dt == "fp32", "NUM_SPLITS": splits,
+                "HAS_WINDOW": window, "HAS_SINKS": sinks, "HAS_SOFTCAP": cap}, 4)
     for fmt in ("int8", "fp8"):
         for dt in ("fp32", "bf16", "fp16"):
             pack_sig = {"kv_ptr": f"*{dt}", "block_ids_ptr": "*i64", "payload_ptr": WIRE[fmt], "scales_ptr": "*fp32",

@@ -432,7 +432,11 @@ class DraftModelDrafter:
         if st is None:
             from transformers import DynamicCache
 
-            st = self._states[request_id] = _DraftState(DynamicCache(config=self.model.config))
+            cache = DynamicCache(config=self.model.config)
+            for layer in cache.layers:  # sliding-window (and linear) layers: keep what `crop` must roll back
+                if hasattr(layer, "activate_past_recording"):
+                    layer.activate_past_recording()
+            st = self._states[request_id] = _DraftState(cache)
         return st
 
     @torch.inference_mode()

@@ -12,7 +12,8 @@ and `return_token_ids`.
 """
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -124,11 +125,23 @@ class TextPart(Lenient):
     text: str
 
 
+class FunctionCall(Lenient):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
 
     def text(self) -> str:
         if self.content is None:
@@ -137,12 +150,54 @@ class ChatMessage(Lenient):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def for_template(self) -> dict:
+        """The message as chat templates take it: text content, and tool calls with their arguments as
+        objects (templates render them; OpenAI sends them as JSON text)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        return out
+
+
+def _json_or_text(s: str):
+    try:
+        return json.loads(s)
+    except ValueError:
+        return s
+
+
+class FunctionSpec(Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Lenient):
+    type: Literal["function"]
+    function: FunctionSpec
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # the tools go to the model's chat template, which shows them to the model; its answer comes back as
+    # text (calls are not parsed out of it, nor is decoding constrained to them: "required" is refused)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none"] | None = None  # parallel_tool_calls: ignored (no calls are parsed)
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates take them (None: no tools, or `tool_choice` "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):

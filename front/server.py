@@ -115,18 +115,23 @@ class Front:
         itemsize = 2 if kv_dtype in ("bfloat16", "float16") else 4
         return int(cfg.get("num_hidden_layers", 1)) * 2 * int(cfg.get("num_key_value_heads", heads)) * head_dim * itemsize
 
-    def chat_prompt_ids(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    def chat_prompt_ids(self, messages: list[dict], generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> list[int]:
+        """The model's chat template over `messages` (system prompts, tool calls and results included) and
+        `tools` (the function specs, for templates that show them), tokenized."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                                  **({"tools": tools} if tools else {}))
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def next_user_turn_ids(self, messages: list[dict]) -> list[int]:
+    def next_user_turn_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Tokens every next request of this conversation starts with: the messages so far and the
         header of the user's next message, as the chat template renders them (the header only
         where the template renders the conversation so far as a prefix of the longer one)."""
         marker = "\x00pdserve-next\x00"
-        tpl = self.tokenizer.apply_chat_template
-        so_far = tpl(messages, tokenize=False)
-        longer = tpl([*messages, {"role": "user", "content": marker}], tokenize=False)
+        extra = {"tools": tools} if tools else {}
+        so_far = self.tokenizer.apply_chat_template(messages, tokenize=False, **extra)
+        longer = self.tokenizer.apply_chat_template([*messages, {"role": "user", "content": marker}], tokenize=False,
+                                                    **extra)
         text = longer[: longer.index(marker)] if marker in longer and longer.startswith(so_far) else so_far
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -290,13 +295,14 @@ class Front:
             req = await self._parse(request, ChatCompletionRequest if chat else CompletionRequest)
             headers = self._ignored(req, rid)
             if chat:
-                prompt_ids = self.chat_prompt_ids([{"role": m.role, "content": m.text()} for m in req.messages])
+                prompt_ids = self.chat_prompt_ids([m.for_template() for m in req.messages], tools=req.template_tools())
             elif isinstance(req.prompt, list):
                 if any(not (0 <= t < len(self.tokenizer)) for t in req.prompt):
                     raise RequestFailed(400, "prompt token ids out of the vocabulary", "invalid_request_error")
                 prompt_ids = list(req.prompt)
-            else:
-                prompt_ids = self.tokenizer.encode(req.prompt, add_special_tokens=False)
+            else:  # with the tokenizer's special tokens, as transformers and vLLM encode a prompt: BOS where
+                # the model wants one (Gemma without it answers nonsense); a chat template writes its own
+                prompt_ids = self.tokenizer.encode(req.prompt)
             params = self._sampling(req, len(prompt_ids), None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
         except RequestFailed as e:
             self.m_requests.labels(endpoint, str(e.status)).inc()
@@ -478,9 +484,9 @@ class Generation:
     def next_turn_ids(self) -> list[int]:
         """The likeliest start of this conversation's next request: everything so far plus the answer."""
         if isinstance(self.req, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in self.req.messages]
+            messages = [m.for_template() for m in self.req.messages]
             messages.append({"role": "assistant", "content": self.choices[0].text})
-            return self.front.next_user_turn_ids(messages)
+            return self.front.next_user_turn_ids(messages, self.req.template_tools())
         return self.prompt_ids + self.choices[0].token_ids
 
     def _choice(self, ev: StreamEvent) -> Choice:

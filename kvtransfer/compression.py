@@ -28,9 +28,9 @@ def wire_bytes(layout: KVLayout, num_tokens: int, compression: str) -> int:
         return layout.payload_bytes(num_tokens)
     from pdserve.kernels.kv_quant import payload_bytes
 
-    nb = layout.num_blocks(num_tokens)
     # one quantisation group per (token, K/V, head): see kvtransfer.frames.to_token_groups
-    return layout.num_layers * payload_bytes(nb * layout.block_size, layout.kv_heads, 1, layout.head_dim)
+    return sum(payload_bytes(layout.layer_blocks(i, num_tokens) * layout.block_size, layout.kv_heads, 1,
+                             layout.head_dim) for i in range(layout.num_layers))
 
 
 def wire_round_trip(kv: KVBlocks, compression: str) -> tuple[KVBlocks, int]:

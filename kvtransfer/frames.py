@@ -242,9 +242,10 @@ def from_token_groups(groups: torch.Tensor, block_size: int) -> torch.Tensor:
     return groups.view(n // block_size, block_size, two, heads, dim).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def wire_layer_bytes(layout: KVLayout, num_tokens: int, compression: str) -> int:
-    """Bytes of one layer on the wire (payload only; int8/fp8 add scales in a SCALES frame)."""
-    nb = layout.num_blocks(num_tokens)
+def wire_layer_bytes(layout: KVLayout, num_tokens: int, compression: str, layer: int) -> int:
+    """Bytes of layer `layer` on the wire (payload only; int8/fp8 add scales in a SCALES frame): its blocks a
+    handoff carries (`KVLayout.layer_blocks`)."""
+    nb = layout.layer_blocks(layer, num_tokens)
     if compression == "none":
         return nb * layout.block_bytes
     return nb * 2 * layout.kv_heads * layout.block_size * layout.head_dim

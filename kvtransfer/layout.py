@@ -16,7 +16,11 @@ from pdserve.basetypes import KVLayout
 
 @dataclass
 class KVBlocks:
-    """Block-structured KV of one sequence: per layer `[num_blocks, 2, kv_heads, block_size, head_dim]`."""
+    """Block-structured KV of one sequence: per layer `[nb, 2, kv_heads, block_size, head_dim]`.
+
+    A layer holds all `layout.num_blocks(num_tokens)` blocks, or (a sliding-window layer in a handoff)
+    only the last `nb` of them, at least `layout.layer_blocks(layer, num_tokens)`.
+    """
 
     layout: KVLayout
     num_tokens: int
@@ -25,6 +29,16 @@ class KVBlocks:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layers)
+
+    def first_block(self, layer: int) -> int:
+        """The index, among the sequence's blocks, of the first block layer `layer` holds."""
+        return self.layout.num_blocks(self.num_tokens) - self.layers[layer].shape[0]
+
+    def for_handoff(self) -> "KVBlocks":
+        """The blocks a handoff carries (`KVLayout.layer_blocks` of each layer): views, no copy."""
+        n = self.num_tokens
+        return KVBlocks(self.layout, n, [t[t.shape[0] - self.layout.layer_blocks(i, n):]
+                                         for i, t in enumerate(self.layers)])
 
     @staticmethod
     def layer_from_dense(keys: torch.Tensor, values: torch.Tensor, block_size: int) -> torch.Tensor:

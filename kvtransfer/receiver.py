@@ -46,11 +46,12 @@ class Assembly:
     def __init__(self, layout: KVLayout, header: TransferHeader,
                  on_layer: Callable[[int, torch.Tensor], None] | None = None):
         self.layout, self.header, self.on_layer = layout, header, on_layer
-        self.nb = layout.num_blocks(header.num_tokens)
-        self.shape = (self.nb, 2, layout.kv_heads, layout.block_size, layout.head_dim)
-        self.compression = header.compression
-        self.wire_bytes = wire_layer_bytes(layout, header.num_tokens, self.compression)
         L = layout.num_layers
+        # per layer (a sliding-window layer carries only its window's blocks)
+        self.nb = [layout.layer_blocks(i, header.num_tokens) for i in range(L)]
+        self.shape = [(nb, 2, layout.kv_heads, layout.block_size, layout.head_dim) for nb in self.nb]
+        self.compression = header.compression
+        self.wire_bytes = [wire_layer_bytes(layout, header.num_tokens, self.compression, i) for i in range(L)]
         self.layers: list[torch.Tensor | None] = [None] * L
         self._buf: list[torch.Tensor | None] = [None] * L  # wire buffers being filled
         self._mv: list[memoryview | None] = [None] * L  # their bytes
@@ -67,19 +68,19 @@ class Assembly:
     def _wire_buf(self, layer: int) -> torch.Tensor:
         if self._buf[layer] is None:
             if self.compression == "none" and self.lease is not None:
-                n = self.wire_bytes
-                if self._leased is None:  # every layer's view of the lease at once: one view op, not one a layer
-                    L = self.layout.num_layers
-                    whole = self.lease.view(0, L * n)
-                    self._leased = whole.view(self.layout.torch_dtype).view(L, *self.shape).unbind(0)
+                off = self.layout.layer_offsets(self.header.num_tokens)  # layers differ in size (sliding windows)
+                if self._leased is None:  # every layer's view of the lease at once
+                    whole = self.lease.view(0, off[-1])
+                    self._leased = tuple(whole[a:b].view(self.layout.torch_dtype).view(shape)
+                                         for a, b, shape in zip(off, off[1:], self.shape))
                     self._leased_mv = tensor_bytes(whole)
                 self._buf[layer] = self._leased[layer]
-                self._mv[layer] = self._leased_mv[layer * n:(layer + 1) * n]
+                self._mv[layer] = self._leased_mv[off[layer]:off[layer + 1]]
                 return self._buf[layer]
             elif self.compression == "none":
-                self._buf[layer] = torch.empty(self.shape, dtype=self.layout.torch_dtype)
+                self._buf[layer] = torch.empty(self.shape[layer], dtype=self.layout.torch_dtype)
             else:
-                self._buf[layer] = torch.empty(self.wire_bytes, dtype=torch.uint8)
+                self._buf[layer] = torch.empty(self.wire_bytes[layer], dtype=torch.uint8)
             self._mv[layer] = tensor_bytes(self._buf[layer])
         return self._buf[layer]
 
@@ -91,7 +92,7 @@ class Assembly:
         if kind == SCALES:
             if self.compression == "none":
                 raise TransferError(f"layer {layer}: scales frame in an uncompressed transfer")
-            groups = self.nb * self.layout.block_size
+            groups = self.nb[layer] * self.layout.block_size
             want = groups * 2 * self.layout.kv_heads * 4
             if length != want or offset != 0:
                 raise TransferError(f"layer {layer}: scales of {length} bytes, expected {want}")
@@ -101,8 +102,8 @@ class Assembly:
             raise TransferError(f"expected chunk for layer {layer}, got frame kind {kind}")
         if offset != self.next_offset[layer]:
             raise TransferError(f"layer {layer}: chunk at offset {offset}, expected {self.next_offset[layer]}")
-        if offset + length > self.wire_bytes:
-            raise TransferError(f"layer {layer}: {offset + length} bytes, layout says {self.wire_bytes}")
+        if offset + length > self.wire_bytes[layer]:
+            raise TransferError(f"layer {layer}: {offset + length} bytes, layout says {self.wire_bytes[layer]}")
         self.next_offset[layer] = offset + length
         if self._mv[layer] is None:
             self._wire_buf(layer)
@@ -129,19 +130,19 @@ class Assembly:
         self.bytes_on_wire += length if wire_length is None else wire_length
         if kind == CHUNK:
             self.filled[layer] += length
-        if self.filled[layer] == self.wire_bytes and not self.complete[layer]:
+        if self.filled[layer] == self.wire_bytes[layer] and not self.complete[layer]:
             if self.compression != "none" and self._scales[layer] is None:
                 return  # bytes complete, scales still to come
-            self._finish_layer(layer, self._wire_buf(layer) if self.wire_bytes else
-                               torch.empty(self.shape, dtype=self.layout.torch_dtype))
+            self._finish_layer(layer, self._wire_buf(layer) if self.wire_bytes[layer] else
+                               torch.empty(self.shape[layer], dtype=self.layout.torch_dtype))
 
     def adopt(self, layer: int, tensor: torch.Tensor) -> None:
         """A layer that arrived whole (shared memory): take the tensor as it is, no copy."""
         if not 0 <= layer < self.layout.num_layers or self.complete[layer]:
             raise TransferError(f"unexpected or repeated layer {layer}")
         self.bytes_on_wire += tensor.numel() * tensor.element_size()
-        self.filled[layer] = self.next_offset[layer] = self.wire_bytes
-        self._finish_layer(layer, tensor.view(self.layout.torch_dtype).view(self.shape))
+        self.filled[layer] = self.next_offset[layer] = self.wire_bytes[layer]
+        self._finish_layer(layer, tensor.view(self.layout.torch_dtype).view(self.shape[layer]))
 
     def _finish_layer(self, layer: int, wire: torch.Tensor) -> None:
         if self.compression == "none":
@@ -150,7 +151,7 @@ class Assembly:
             from pdserve.kernels.kv_quant import unpack
 
             lay = self.layout
-            groups = torch.empty(self.nb * lay.block_size, 2, lay.kv_heads, 1, lay.head_dim, dtype=lay.torch_dtype)
+            groups = torch.empty(self.nb[layer] * lay.block_size, 2, lay.kv_heads, 1, lay.head_dim, dtype=lay.torch_dtype)
             unpack(wire, self._scales[layer], groups, torch.arange(groups.shape[0]), self.compression,
                    impl="triton" if groups.is_cuda else "reference")
             out = from_token_groups(groups, lay.block_size)

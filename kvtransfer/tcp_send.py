@@ -445,7 +445,7 @@ _SHM_FLUSH_BYTES = 4 << 20  # layers at hand together: their SHM frames go in on
 def _write_shm_layer(mm: SegmentMapping, index: int, layer: torch.Tensor,
                      header: TransferHeader) -> list[tuple[int, int, int, memoryview]]:
     n = layer.numel() * layer.element_size()
-    offset = index * n
+    offset = header.layout.layer_offsets(header.num_tokens)[index]  # layers differ in size (sliding windows)
     if offset + n > mm.size:
         raise TransferError(f"layer {index} does not fit the shared-memory segment")
     mm.write(offset, layer)

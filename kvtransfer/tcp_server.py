@@ -262,7 +262,7 @@ class KVReceiver(Receiver):
         if asm.header.transport == "shm":
             lease = self._grant(sock, asm.header)
             leases.append(lease)
-        elif asm.compression == "none" and asm.wire_bytes:
+        elif asm.compression == "none" and asm.header.total_bytes:
             asm.lease = self._pooled(asm.header.total_bytes)
             if asm.lease is not None:
                 leases.append(asm.lease)

@@ -38,6 +38,12 @@ MODELS_DIR = "/models"
 METRICS_PORT = 9100
 FRONT_CONTAINER_PORT = 8000
 POOLS = ("prefill", "decode")
+# A stopping pod (rolling update, scale-down) first finishes what it holds: its drain (the
+# process's `drain_timeout` setting) ends before the kubelet's SIGKILL, and the front keeps
+# accepting until kube-proxy has taken it out of its Service (no Service routes to the workers:
+# their `bye` on NATS stops the routers at once).
+FRONT_PRE_STOP_S = 5
+GRACE_MARGIN_S = 10
 
 
 @dataclass(frozen=True)
@@ -274,6 +280,8 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}},
     }
+    if pool == "front":
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(FRONT_PRE_STOP_S)]}}}
     # /dev/shm is memory: bounded, so the KV pools in it cannot grow past what the pod was given
     volumes: list[dict] = [{"name": "tmp", "emptyDir": {}},
                            {"name": "dshm", "emptyDir": {"medium": "Memory",
@@ -295,6 +303,8 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": (FRONT_PRE_STOP_S if pool == "front" else 0)
+        + math.ceil(cfg.drain_timeout) + GRACE_MARGIN_S,
     }
     if init:
         pod_spec["initContainers"] = init

@@ -99,7 +99,10 @@ TRANSPORTS = ("shm", "tcp", "nats", "objstore")  # KV data paths, in a sender's 
 # A KV cache is a list of blocks of `block_size` tokens; one layer's KV is a tensor
 # `[num_blocks, 2, kv_heads, block_size, head_dim]` (2 = keys, values). The `KVLayout` names what
 # a receiver must agree with before it accepts a single byte: same model (fingerprint), same
-# shape, same dtype, same block size.
+# shape, same dtype, same block size, and per layer the same attention (full, or a sliding window
+# of how many tokens). A sliding-window layer's next query sees only its window, so a handoff
+# carries only the blocks that hold it (`KVLayout.layer_blocks`); the receiver places them at the
+# end of the sequence's blocks and never reads the ones before.
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block
 
@@ -122,10 +125,28 @@ class KVLayout(BaseModel):
 
     model_fingerprint: str
     num_layers: int
-    kv_heads: int
-    head_dim: int
+    kv_heads: int  # every layer's (one pool holds all layers)
+    head_dim: int  # every layer's, keys and values alike
     dtype: str  # one of _DTYPES
     block_size: int  # tokens per block
+    # per layer: its sliding window in tokens (a query at position i sees positions i - window + 1 .. i), or
+    # 0 for full attention; () when every layer is full (the one way to say so: layouts compare equal)
+    layer_windows: tuple[int, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _all_full_is_empty(cls, data):
+        if isinstance(data, dict) and data.get("layer_windows") and not any(data["layer_windows"]):
+            data = {**data, "layer_windows": ()}
+        return data
+
+    @model_validator(mode="after")
+    def _one_window_per_layer(self) -> "KVLayout":
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        if any(w < 0 for w in self.layer_windows):
+            raise ValueError(f"layer_windows must be >= 0 (0 = full attention), got {self.layer_windows}")
+        return self
 
     @property
     def torch_dtype(self):
@@ -144,16 +165,48 @@ class KVLayout(BaseModel):
     def num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in tokens, 0 for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def attention(self, layer: int) -> str:
+        """Layer `layer`'s attention in words: "full" or "sliding window of N"."""
+        w = self.window(layer)
+        return f"sliding window of {w}" if w else "full"
+
+    def layer_blocks(self, layer: int, num_tokens: int) -> int:
+        """How many blocks of layer `layer` a handoff of `num_tokens` carries: all of them for full attention;
+        for a sliding window, the last ones, from the block holding the first position the next query sees."""
+        nb = self.num_blocks(num_tokens)
+        w = self.window(layer)
+        if not w:
+            return nb
+        return nb - max(0, num_tokens - w + 1) // self.block_size
+
     def payload_bytes(self, num_tokens: int) -> int:
-        return self.num_layers * self.num_blocks(num_tokens) * self.block_bytes
+        """Bytes of a handoff of `num_tokens` (each layer's `layer_blocks`)."""
+        return sum(self.layer_blocks(i, num_tokens) for i in range(self.num_layers)) * self.block_bytes
+
+    def layer_offsets(self, num_tokens: int) -> list[int]:
+        """Where each layer starts in a handoff's payload of `num_tokens`, in bytes (layers in order, then the
+        total): `num_layers + 1` offsets."""
+        out = [0]
+        for i in range(self.num_layers):
+            out.append(out[-1] + self.layer_blocks(i, num_tokens) * self.block_bytes)
+        return out
 
     def check_matches(self, other: "KVLayout", *, what: str = "handoff") -> None:
         """Raise LayoutMismatch naming each field where `other` (incoming) differs from self (expected)."""
         diffs = [
             f"{name}: expected {getattr(self, name)!r}, got {getattr(other, name)!r}"
             for name in type(self).model_fields
-            if getattr(self, name) != getattr(other, name)
+            if name != "layer_windows" and getattr(self, name) != getattr(other, name)
         ]
+        if self.layer_windows != other.layer_windows and self.num_layers == other.num_layers:
+            layers = [i for i in range(self.num_layers) if self.window(i) != other.window(i)]
+            diffs.append(f"attention of {len(layers)} layer(s): " + ", ".join(
+                f"layer {i} expected {self.attention(i)}, got {other.attention(i)}" for i in layers[:4])
+                + (", ..." if len(layers) > 4 else ""))
         if diffs:
             raise LayoutMismatch(f"{what} refused, KV layout differs: " + "; ".join(diffs))
 

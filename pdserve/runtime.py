@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 from pdserve.basetypes import DEFAULT_BLOCK_SIZE, KVLayout, dtype_name
+from pdserve.checkpoint import check_supported, layer_windows, max_context
 from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.modelstore import model_fingerprint
 
@@ -40,6 +41,7 @@ class ModelRunner:
 
     The tokenizer, config, KV layout and stop tokens are read at once; the `transformers` weights
     load on first use of `model` — a worker that computes with the paged engine never loads them.
+    A checkpoint pdserve cannot serve is refused here (`pdserve.checkpoint.UnsupportedModel`).
     """
 
     def __init__(
@@ -54,20 +56,23 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         cfg = AutoConfig.from_pretrained(self.model_dir)
+        check_supported(cfg, self.model_dir)  # before anything loads: a clear refusal, not a stack trace later
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.config = cfg
         self.name = served_name or self.model_dir.name
-        self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.vocab_size = int(cfg.vocab_size)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        text = cfg.get_text_config()
+        self.max_context = max_context(text)
+        self.vocab_size = int(text.vocab_size)
+        heads = text.num_attention_heads
         self.layout = KVLayout(
             model_fingerprint=model_fingerprint(self.model_dir),
-            num_layers=cfg.num_hidden_layers,
-            kv_heads=cfg.num_key_value_heads,
-            head_dim=head_dim,
+            num_layers=text.num_hidden_layers,
+            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
             dtype=dtype_name(dtype),
             block_size=block_size,
+            layer_windows=layer_windows(text),
         )
         try:
             eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id

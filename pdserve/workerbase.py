@@ -52,18 +52,6 @@ def require_device(device: str) -> None:
                          "where a GPU is")
 
 
-def resolve_dtype(name: str, device: str):
-    """The torch dtype for a `--dtype` value; `auto`: bfloat16 on a GPU that has it (else float16),
-    float32 on the CPU, where bfloat16 matmuls are slower on most processors."""
-    import torch
-
-    if name != "auto":
-        return getattr(torch, name)
-    if device.startswith("cuda"):
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
-
-
 class WorkerBase:
     role: str = "worker"
     settings: type[WorkerConfig] = WorkerConfig  # what `pdserve <role>` parses
@@ -71,6 +59,7 @@ class WorkerBase:
     def __init__(self, args: WorkerConfig):
         import torch
 
+        from pdserve.checkpoint import inspect_checkpoint, resolve_dtype
         from pdserve.modelstore import resolve_model
         from pdserve.runtime import ModelRunner
 
@@ -81,8 +70,10 @@ class WorkerBase:
         # A restarted worker with the same id gets a newer generation; handoffs fence on it.
         self.generation = int(time.time() * 1000)
         self.scope = args.deployment_scope
-        self.runner = ModelRunner(resolve_model(args.model), dtype=resolve_dtype(args.dtype, args.device),
-                                  device=args.device, block_size=args.block_size, served_name=args.served_model_name)
+        model_dir = resolve_model(args.model)
+        dtype = resolve_dtype(args.dtype, args.device, inspect_checkpoint(model_dir).dtype)
+        self.runner = ModelRunner(model_dir, dtype=dtype, device=args.device, block_size=args.block_size,
+                                  served_name=args.served_model_name)
         self.model_name = self.runner.name
         self.creds = NatsCredentials.from_config(args.nats, scope=self.scope)
         self.registry = CollectorRegistry()
@@ -209,7 +200,14 @@ def run_worker(cls: type[WorkerBase], argv: list[str]) -> int:
     doc = sys.modules[cls.__module__].__doc__ or ""
     args = load(cls.settings, argv, prog=f"pdserve {cls.role}", description=doc.strip().split("\n")[0])
     setup_logging(args.log_level)
-    asyncio.run(cls(args).run())
+    from pdserve.checkpoint import UnsupportedModel
+
+    try:
+        worker = cls(args)
+    except UnsupportedModel as e:  # the checkpoint, not pdserve, is the problem: say so in one line
+        log.error("%s cannot serve %s: %s", cls.role, args.model, e)
+        exit_now(2)
+    asyncio.run(worker.run())
     exit_now(0)
 
 

@@ -434,7 +434,7 @@ class PrefillWorker(WorkerBase):
     def _layer_done(self, i: int) -> None:
         """A layer's forward hook: send each streamed prompt's KV of that layer."""
         for job in self._streams:
-            blocks = self.engine.pool.export_layer(job.seq_id, i)
+            blocks = self.engine.export_layer(job.seq_id, i)
             self.loop.call_soon_threadsafe(job.stream.queue.put_nowait, (i, blocks))
 
     async def _open_stream(self, job: Job) -> "LayerStream | None":
@@ -632,6 +632,7 @@ class PrefillWorker(WorkerBase):
         )
 
     async def _handoff(self, req: PrefillRequest, kv, generated: list[int]) -> None:
+        kv = kv.for_handoff()  # a sliding-window layer's window only (the offload tier keeps every block)
         offer = self._offer(req, kv.layout, kv.num_tokens, kv.nbytes, generated)
         self.transfer_backlog += 1
         self.transfer_backlog_bytes += kv.nbytes

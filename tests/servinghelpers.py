@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import re
 import threading
 import time
 import urllib.error
@@ -150,3 +151,16 @@ def accepted_by(worker_id: str):
         ack = Ack.decode(data)
         return ack.accepted and ack.worker_id == worker_id
     return match
+
+
+def wire_bytes(metrics_port: int) -> tuple[dict[tuple[str, str], float], float]:
+    """decode's pdserve_kv_transfer_wire_bytes_total by (transport, compression), and the KV bytes received
+    (pdserve_kv_transfer_received_bytes_total)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    wire = {}
+    for labels, value in re.findall(r"^pdserve_kv_transfer_wire_bytes_total\{(.*)\} (\S+)$", text, re.M):
+        label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        wire[label["transport"], label["compression"]] = float(value)
+    kv = re.search(r"^pdserve_kv_transfer_received_bytes_total (\S+)$", text, re.M)
+    return wire, float(kv.group(1))

@@ -17,6 +17,7 @@ import pytest
 from pdserve.autoscale.adapter import METRICS, MetricsAdapter, parse_selector, matches, quantity
 from pdserve.autoscale.certs import make_serving_cert
 from pdserve.kvtransfer.protocol import LoadReport, Subjects
+from pdserve.operator.reconcile import OperatorConfig, desired_children
 
 NS = "team-a"
 CUSTOM = "/apis/custom.metrics.k8s.io/v1beta1"
@@ -110,6 +111,14 @@ def test_pod_metrics_match_reports_and_selectors(nats_server, tmp_path):
         # No selector: every prefill pod of the namespace; set-based selectors work.
         code, doc = await h.get(f"{CUSTOM}/namespaces/{NS}/pods/*/pdserve_prefill_queue_depth")
         assert {i["describedObject"]["name"] for i in doc["items"]} == {"p-0", "p-1", "p-other"}
+        # The selector an HPA sends for the operator's prefill Deployment of `llama` (its matchLabels).
+        deployment = next(c for c in desired_children(
+            {"metadata": {"name": "llama", "namespace": NS, "uid": "u"}, "spec": {"model": {"path": "m", "pvc": "p"}}},
+            OperatorConfig()) if c["kind"] == "Deployment" and c["metadata"]["name"] == "llama-prefill")
+        hpa_selector = ",".join(f"{k}={v}" for k, v in deployment["spec"]["selector"]["matchLabels"].items())
+        code, doc = await h.get(f"{CUSTOM}/namespaces/{NS}/pods/*/pdserve_prefill_queue_depth",
+                                labelSelector=hpa_selector)
+        assert {i["describedObject"]["name"]: i["value"] for i in doc["items"]} == {"p-0": "3", "p-1": "7"}
         code, doc = await h.get(f"{CUSTOM}/namespaces/{NS}/pods/*/pdserve_prefill_queue_depth",
                                 labelSelector="pdserve.io/isvc notin (llama)")
         assert [i["describedObject"]["name"] for i in doc["items"]] == ["p-other"]

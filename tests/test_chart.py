@@ -144,7 +144,9 @@ def test_non_default_render_uses_external_nats_and_no_webhook():
     assert env["PDSERVE_NATS_URL"] == "nats://nats.infra:4222" and env["PDSERVE_NATS_SECRET"] == "infra-nats"
     assert env["PDSERVE_METRICS_SCRAPER_NAMESPACE"] == "monitoring"  # the workers' NetworkPolicy admits it
     assert c["args"] == ["--namespace=ml", "--namespace=research", "--verbose"]
-    assert c["image"] == "ghcr.io/pdserve/pdserve:0.1.1"
+    # image.* is the workers' image, which the operator hands on; the operator runs its own slim one.
+    assert env["PDSERVE_IMAGE"] == "ghcr.io/pdserve/pdserve:0.1.1"
+    assert c["image"] == "ghcr.io/pdserve/pdserve-operator:0.1.0"
     assert op["spec"]["template"]["spec"]["serviceAccountName"] == "pdserve-op"
     apis = {d["metadata"]["name"] for d in docs if d["kind"] == "APIService"}
     assert apis == {"v1beta1.custom.metrics.k8s.io"}  # the metrics adapter, external group turned off

@@ -160,11 +160,14 @@ def test_deployment_scope():
     assert load(FrontConfig, ["--isvc", "llama"], {"PDSERVE_SCOPE": "local-1"}).deployment_scope == "local-1"
 
 
-def test_dtype_auto_is_float32_on_the_cpu():
+def test_dtype_auto_is_float32_on_the_cpu(monkeypatch):
+    """On a CPU without native bfloat16 (AVX512-BF16, AMX); with it, see test_engine_checkpoint."""
     import torch
 
-    from pdserve.workerbase import resolve_dtype
+    from pdserve import checkpoint
+    from pdserve.checkpoint import resolve_dtype
 
+    monkeypatch.setattr(checkpoint, "cpu_has_native_bf16", lambda: False)
     assert resolve_dtype("auto", "cpu") is torch.float32
     assert resolve_dtype("bfloat16", "cpu") is torch.bfloat16 and resolve_dtype("float16", "cuda") is torch.float16
 

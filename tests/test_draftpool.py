@@ -22,7 +22,7 @@ from pdserve.decode.drafters import NgramDrafter, brute_force_ngram_proposal
 from pdserve.decode.pool_drafter import PoolDrafter
 from pdserve.draftpool.index import SuffixIndex
 from pdserve.draftpool.server import DraftPool
-from pdserve.kvtransfer.protocol import DraftReply, DraftRequest
+from pdserve.kvtransfer.protocol import DraftReply, DraftRequest, Subjects
 
 from bench.sse import sse_events
 
@@ -185,7 +185,7 @@ def test_a_gone_or_silent_pool_costs_one_deadline_then_nothing(nats_server):
         assert (await gone.propose("r", context, 4)).token_ids == local_only
         assert gone.stats.asks["skipped"] == 1  # backing off: not asked again
 
-        silent_sub = await nc.subscribe("pdserve.v1.draft.silent.m", queue="draftpool")  # takes asks, never answers
+        silent_sub = await nc.subscribe(Subjects.draft("silent", "m"), queue="draftpool")  # takes asks, never answers
         silent = PoolDrafter(NgramDrafter(), tenant_of=lambda rid: "t", timeout_s=0.05, min_backoff_s=600.0)
         silent.attach(nc, "silent", "m")
         assert (await silent.propose("r", context, 4)).token_ids == local_only
@@ -259,7 +259,7 @@ def test_decode_with_the_pool_equals_plain_greedy_and_survives_its_death(nats_se
 
         async def pool_answers():  # the pool is up when it answers an ask
             nc = await _connect(nats_server)
-            subject = f"pdserve.v1.draft.{c.scope}.{model_dir.name}"
+            subject = Subjects.draft(c.scope, model_dir.name)
             while True:
                 try:
                     await nc.request(subject, DraftRequest(request_id="probe", tenant="x", tail=[1, 2], k=1,

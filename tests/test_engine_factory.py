@@ -1,9 +1,6 @@
 """create_engine: which engine serves which model, and both engines answer the `Engine` calls alike (real model)."""
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
@@ -23,19 +20,8 @@ def runner(model_dir) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def other_family(tmp_path_factory, model_dir) -> ModelRunner:
-    """A checkpoint folder of a family the paged engine does not implement (Qwen2: config and
-    tokenizer only, which is all choosing an engine reads; weights load on first forward)."""
-    from transformers import Qwen2Config
-
-    folder = tmp_path_factory.mktemp("qwen2")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / name, folder / name)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2).save_pretrained(folder)
-    (folder / "model.safetensors").write_bytes(b"")  # the fingerprint reads the weights' bytes
-    return ModelRunner(folder)
+def tiny_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny-factory")
 
 
 def test_llama_gets_the_paged_engine_sized_by_capacity(runner):
@@ -69,12 +55,18 @@ def test_paged_and_dense_engines_decode_alike(runner):
     assert outputs[0] == outputs[1]
 
 
-def test_other_families_fall_back_to_dense_and_paged_says_why_not(other_family):
-    assert other_family.config.model_type == "qwen2"
-    engine = create_engine(other_family, kv_capacity_bytes=CAPACITY)
-    assert isinstance(engine, DenseEngine) and engine.layout == other_family.layout
-    with pytest.raises(EngineUnavailable, match="qwen2 is not one"):
-        create_engine(other_family, kind="paged", kv_capacity_bytes=CAPACITY)
+def test_every_family_gets_the_paged_engine_and_dense_is_for_full_attention_only(tiny_root, model_dir):
+    from tinymodels import make_tiny
+
+    qwen2 = ModelRunner(make_tiny("qwen2", tiny_root, model_dir))
+    engine = create_engine(qwen2, kv_capacity_bytes=CAPACITY)
+    assert isinstance(engine, PagedRunner) and engine.layout == qwen2.layout
+    assert isinstance(create_engine(qwen2, kind="dense", kv_capacity_bytes=CAPACITY), DenseEngine)
+    mistral = ModelRunner(make_tiny("mistral", tiny_root, model_dir))
+    assert mistral.layout.layer_windows == (8, 8, 8)
+    assert create_engine(mistral, kv_capacity_bytes=CAPACITY).layout == mistral.layout
+    with pytest.raises(EngineUnavailable, match="full-attention models; mistral has sliding-window layers"):
+        create_engine(mistral, kind="dense", kv_capacity_bytes=CAPACITY)
 
 
 def test_an_unknown_engine_is_refused_by_name(runner):

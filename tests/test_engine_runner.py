@@ -138,34 +138,6 @@ def test_decode_at_a_long_context_equals_hf_forward(runner, hf):
     assert_pool_empty(runner)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_rope_and_rms_norm_are_bitwise_hugging_face(dtype):
-    # the fused forms (roll with a signed sin table, F.rms_norm) must not move a greedy argmax
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
-
-    from pdserve.engine.model import ModelArgs, RMSNorm, _rope, apply_rope
-
-    args = ModelArgs(vocab_size=8, dim=96, n_layers=1, n_heads=6, n_kv_heads=2, head_dim=16, intermediate_size=8,
-                     norm_eps=1e-5, rope_theta=1e5, max_position=4096, tie_embeddings=True)
-    g = torch.Generator().manual_seed(0)
-    pos = torch.randint(0, args.max_position, (50,), generator=g)
-    cos, sin_rot = (t[pos].to(dtype) for t in _rope(args))
-    sin = torch.cat((-sin_rot[:, :8], sin_rot[:, 8:]), dim=-1)  # Hugging Face's sin
-    q = (torch.randn(1, 6, 50, 16, generator=g) * 4).to(dtype)  # HF's [batch, heads, T, head_dim]
-    k = (torch.randn(1, 2, 50, 16, generator=g) * 4).to(dtype)
-    hq, hk = apply_rotary_pos_emb(q, k, cos[None], sin[None])
-    ours = apply_rope(torch.cat((q, k), dim=1)[0].transpose(0, 1), cos[:, None], sin_rot[:, None])
-    assert torch.equal(ours, torch.cat((hq, hk), dim=1)[0].transpose(0, 1))
-
-    theirs, mine = LlamaRMSNorm(96, eps=1e-5), RMSNorm(96, 1e-5)
-    theirs.weight.data = torch.randn(96, generator=g)
-    mine.weight.data = theirs.weight.data.clone()
-    theirs, mine = theirs.to(dtype), mine.to(dtype)
-    for rows, scale in ((1, 1.0), (16, 30.0), (300, 1e-3)):
-        x = (torch.randn(rows, 96, generator=g) * scale).to(dtype)
-        assert torch.equal(mine(x), theirs(x))
-
-
 def test_ragged_batch_equals_each_alone(runner, prompts, alone):
     ids = [("batch", i) for i in range(len(prompts))]
     outs = [[int(runner.prefill(sid, p).argmax())] for sid, p in zip(ids, prompts)]
@@ -409,15 +381,17 @@ def test_without_prefix_cache_decode_keeps_blocks_consecutive_and_frees_them_out
 
 def test_small_steps_use_the_cpu_weight_layouts(runner, model_dir):
     """One row and more than 12 multiply the transposed weight; two and three rows the `[out, in]` copy;
-    four to twelve oneDNN's packed copy (see `model.Linear`). Each copy holds the same values, and the
+    four to twelve oneDNN's packed copy (see `cpustep.CpuLinear`). Each copy holds the same values, and the
     tied output projection's `[out, in]` copy is the embedding table itself. A prefill engine keeps none."""
-    from pdserve.engine.model import PACK_ROWS_HINT
+    from pdserve.engine.cpustep import PACK_ROWS_HINT, CpuLinear
 
-    model = runner.model
-    lin = model.layers[0].feed_forward.w13
+    hf = runner.model.hf
+    lin = hf.model.layers[0].mlp.gate_proj.fused  # gate and up in one matmul
+    assert isinstance(lin, CpuLinear) and lin.out_features == 2 * hf.config.intermediate_size
     assert lin.weight_rows is not None and torch.equal(lin.weight_rows, lin.weight_t.t())
-    assert model.output.weight_rows.data_ptr() == model.tok_embeddings.weight.data_ptr(), "tied: no second copy"
-    x = torch.randn(16, lin.weight_t.shape[0])
+    head = hf.get_output_embeddings()
+    assert head.weight_rows.data_ptr() == hf.get_input_embeddings().weight.data_ptr(), "tied: no second copy"
+    x = torch.randn(16, lin.in_features)
     for rows in (1, 2, 3, 4, 9, 12, 13, 16):  # the copies agree with the parameter
         torch.testing.assert_close(lin(x[:rows]), x[:rows] @ lin.weight_t, rtol=1e-4, atol=1e-4)
     original = lin.weight_rows, lin.weight_packed
@@ -431,4 +405,4 @@ def test_small_steps_use_the_cpu_weight_layouts(runner, model_dir):
         lin.weight_rows, lin.weight_packed = original
     prefill = PagedRunner(model_dir, num_blocks=8, small_step_weights=False)
     assert all(m.weight_rows is None and m.weight_packed is None
-               for m in prefill.model.modules() if hasattr(m, "weight_rows"))
+               for m in prefill.model.modules() if isinstance(m, CpuLinear))

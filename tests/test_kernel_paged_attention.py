@@ -47,8 +47,10 @@ def make_batch(seed: int, *, kinds=("decode", "spec", "prefill"), num_seqs=5, q_
     return q, kv_pool, block_tables, torch.tensor(lens, dtype=torch.int32), query_start, dense
 
 
-def dense_attention(q, dense, seq_lens, query_start, scale):
-    """Ground truth: SDPA on each sequence's dense KV with an explicit causal mask for its last-n queries."""
+def dense_attention(q, dense, seq_lens, query_start, scale, *, window=None, sinks=None, softcap=None):
+    """Ground truth: each sequence's dense KV with an explicit causal mask for its last-n queries — SDPA, or
+    with a sliding window, sinks or a soft cap, transformers' eager formulation of them (Gemma 2's capped
+    scores, GPT-OSS's sink column concatenated to the scores and dropped after the softmax)."""
     out = torch.empty_like(q, dtype=torch.float32)
     for s, (k, v) in enumerate(dense):
         q0, q1, length = int(query_start[s]), int(query_start[s + 1]), int(seq_lens[s])
@@ -57,8 +59,21 @@ def dense_attention(q, dense, seq_lens, query_start, scale):
         qs = q[q0:q1].float().transpose(0, 1)[None]  # [1, q_heads, n, D]
         ks = k.float().repeat_interleave(group, dim=0)[None]
         vs = v.float().repeat_interleave(group, dim=0)[None]
-        mask = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]  # True = attend
-        out[q0:q1] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)[0].transpose(0, 1)
+        kpos, qpos = torch.arange(length)[None, :], torch.arange(length - n, length)[:, None]
+        mask = kpos <= qpos  # True = attend
+        if window is None and sinks is None and softcap is None:
+            out[q0:q1] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)[0].transpose(0, 1)
+            continue
+        if window is not None:
+            mask &= kpos > qpos - window
+        scores = qs @ ks.transpose(-1, -2) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float().view(1, -1, 1, 1).expand(1, -1, n, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :length]
+        out[q0:q1] = (probs @ vs)[0].transpose(0, 1)
     return out
 
 
@@ -298,3 +313,93 @@ def test_reference_reads_consecutive_blocks_in_place(seed, kind):
     torch.testing.assert_close(hinted, dense_attention(q, dense, seq_lens, query_start, 0.25), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hinted, plain, rtol=1e-6, atol=1e-6)
     assert not hinted.isnan().any()
+
+
+# --------------------------------------------------------------------------------------------------
+# What transformers' models ask of attention beyond causal: sliding windows, sinks, soft caps
+# --------------------------------------------------------------------------------------------------
+
+FEATURES = {
+    "window": dict(window=5),
+    "window-1": dict(window=1),  # each query sees only itself
+    "sinks": dict(sinks=True),
+    "softcap": dict(softcap=2.0),  # small against these scores: the cap bends most of them
+    "window+sinks": dict(window=7, sinks=True),  # GPT-OSS's sliding layers
+    "all": dict(window=6, sinks=True, softcap=3.0),
+}
+
+
+def feature_kwargs(spec: dict, q_heads: int, seed: int) -> tuple[dict, dict]:
+    """(kwargs for the kernels, kwargs for the dense oracle) of one FEATURES entry."""
+    sinks = torch.randn(q_heads, generator=torch.Generator().manual_seed(seed)) * 2 if spec.get("sinks") else None
+    window, softcap = spec.get("window"), spec.get("softcap")
+    return (dict(sliding_window=window, sinks=sinks, softcap=softcap), dict(window=window, sinks=sinks, softcap=softcap))
+
+
+def poison_outside_windows(kv_pool, bt, lens, qs, window):
+    """NaN in every cache slot no query of this step may see (before its sequence's first query's window):
+    what a handoff that ships only the window leaves in the receiver's blocks."""
+    block_size = kv_pool.shape[3]
+    for s, length in enumerate(lens.tolist()):
+        n = int(qs[s + 1] - qs[s])
+        for p in range(max(0, length - n - window + 1)):
+            kv_pool[int(bt[s, p // block_size]), :, :, p % block_size] = float("nan")
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("feature", FEATURES, ids=str)
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (6, 1)])
+def test_reference_features_equal_dense_oracle(seed, feature, q_heads, kv_heads):
+    q, kv_pool, bt, lens, qs, dense = make_batch(seed, q_heads=q_heads, kv_heads=kv_heads, num_seqs=6)
+    kw, oracle_kw = feature_kwargs(FEATURES[feature], q_heads, seed)
+    if kw["sliding_window"]:
+        poison_outside_windows(kv_pool, bt, lens, qs, kw["sliding_window"])
+    ref = paged_attention_reference(q, kv_pool, bt, lens, qs, 0.25, **kw)
+    torch.testing.assert_close(ref, dense_attention(q, dense, lens, qs, 0.25, **oracle_kw), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lens", [[1], [13], [9, 9, 9], [5, 12, 1, 16, 7], [3, 40, 4]], ids=str)
+@pytest.mark.parametrize("feature", FEATURES, ids=str)
+def test_reference_decode_features_despite_stale_slots(lens, feature):
+    # the batched decode path (groups of similar length, each sequence's window gathered from its own block)
+    q, kv_pool, bt, seq_lens, qs, dense = decode_batch(len(lens), lens, q_heads=6, kv_heads=2)
+    kw, oracle_kw = feature_kwargs(FEATURES[feature], 6, len(lens))
+    if kw["sliding_window"]:
+        poison_outside_windows(kv_pool, bt, seq_lens, qs, kw["sliding_window"])
+    ref = paged_attention_reference(q, kv_pool, bt, seq_lens, qs, 0.25, **kw)
+    torch.testing.assert_close(ref, dense_attention(q, dense, seq_lens, qs, 0.25, **oracle_kw), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("feature", FEATURES, ids=str)
+def test_triton_features_match_reference(feature):
+    q, kv_pool, bt, lens, qs, dense = make_batch(21, q_heads=6, kv_heads=2, head_dim=16, block_size=4, num_seqs=4)
+    kw, oracle_kw = feature_kwargs(FEATURES[feature], 6, 21)
+    if kw["sliding_window"]:
+        poison_outside_windows(kv_pool, bt, lens, qs, kw["sliding_window"])
+    tri = paged_attention_triton(q, kv_pool, bt, lens, qs, 0.25, **kw)
+    torch.testing.assert_close(tri, dense_attention(q, dense, lens, qs, 0.25, **oracle_kw), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_triton_split_kv_with_window_and_sinks_matches_reference(num_splits):
+    # splits wholly before a window hold no keys; the sinks join in the merge
+    q, kv_pool, bt, lens, qs, _ = make_batch(13, q_heads=4, kv_heads=2, num_seqs=4, block_size=8)
+    kw, _ = feature_kwargs(FEATURES["all"], 4, 13)
+    ref = paged_attention_reference(q, kv_pool, bt, lens, qs, 0.25, **kw)
+    tri = paged_attention_triton(q, kv_pool, bt, lens, qs, 0.25, num_splits=num_splits, **kw)
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_wider_than_the_context_changes_nothing():
+    q, kv_pool, bt, lens, qs, _ = make_batch(3, num_seqs=5)
+    plain = paged_attention_reference(q, kv_pool, bt, lens, qs, 0.25)
+    wide = paged_attention_reference(q, kv_pool, bt, lens, qs, 0.25, sliding_window=10_000)
+    torch.testing.assert_close(wide, plain, rtol=1e-6, atol=1e-6)
+    narrow = paged_attention_reference(q, kv_pool, bt, lens, qs, 0.25, sliding_window=2)
+    assert not torch.allclose(narrow, plain)  # and the window does reach the kernels
+
+
+def test_sinks_of_the_wrong_shape_are_refused():
+    q, kv_pool, bt, lens, qs, _ = make_batch(3, num_seqs=2, q_heads=4)
+    with pytest.raises(ValueError, match="sinks must be"):
+        paged_attention_reference(q, kv_pool, bt, lens, qs, 0.25, sinks=torch.zeros(2))

@@ -301,6 +301,24 @@ def test_operator_main_maps_flags_to_env_and_runs_kopf(monkeypatch):
 
 
 
+def test_stopping_pods_drain_before_the_kubelet_kills_them():
+    """Zero-failure rolls and scale-downs: every pod gets a grace period above the drain bound its
+    process runs with (plus the front's pre-stop wait), and the front keeps accepting until
+    kube-proxy has dropped it from its Service; Deployments never go below their serving capacity."""
+    children = desired_children(isvc(), CFG)
+    for pool in ("prefill", "decode", "front"):
+        d = by_kind_name(children)[("Deployment", f"llama-{pool}")]["spec"]
+        assert d["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+        pod = d["template"]["spec"]
+        (c,) = pod["containers"]
+        drain = parsed(children, pool).drain_timeout
+        assert drain > 0
+        pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
+        assert pre_stop[0] == "sleep"
+        assert pod["terminationGracePeriodSeconds"] > float(pre_stop[1]) + drain
+        assert (float(pre_stop[1]) > 0) == (pool == "front")
+
+
 def test_worker_readiness_probes_the_metrics_endpoint():
     """Prefill dials decode and listens on no data port; both pools serve /metrics once the model
     is loaded and NATS is connected, so that is what readiness waits for."""

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import nats
 import pytest
-import torch
 
 from pdserve.basetypes import SamplingParams, announced, prefix_hashes
 from pdserve.kvtransfer.protocol import Ack, Buckets, LoadReport, PrefillRequest, PrepositionHint, Subjects
@@ -27,15 +26,6 @@ MODEL = "SmolLM2-135M-Instruct"
 def hf_greedy(hf, prompt_ids, n):
     return _hf_greedy(hf, prompt_ids, n, exact=True)  # requests here use ignore_eos
 LONG = (Path(__file__).parent / "data" / "long_prompt.txt").read_text()
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return tok, model
 
 
 def chat(cluster, messages, n=12, **extra) -> dict:

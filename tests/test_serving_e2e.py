@@ -9,7 +9,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 from pdserve.local import LocalCluster
 from servinghelpers import hf_greedy, post
@@ -25,16 +24,6 @@ def cluster(nats_server, model_dir):
     c.start()
     yield c
     c.stop()
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return tok, model
 
 
 PROMPTS = [

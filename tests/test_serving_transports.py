@@ -9,6 +9,7 @@ import urllib.request
 import pytest
 
 from pdserve.local import LocalCluster
+from servinghelpers import wire_bytes
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -30,21 +31,6 @@ def reference(nats_server, model_dir):
         ids = complete(c.url)["choices"][0]["token_ids"]
     assert len(ids) == 12, ids  # decode generated all but the first
     return ids
-
-
-def wire_bytes(metrics_port: int) -> tuple[dict[tuple[str, str], float], float]:
-    """decode's pdserve_kv_transfer_wire_bytes_total by (transport, compression), and the KV bytes received
-    (pdserve_kv_transfer_received_bytes_total)."""
-    import re
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    wire = {}
-    for labels, value in re.findall(r"^pdserve_kv_transfer_wire_bytes_total\{(.*)\} (\S+)$", text, re.M):
-        label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        wire[label["transport"], label["compression"]] = float(value)
-    kv = re.search(r"^pdserve_kv_transfer_received_bytes_total (\S+)$", text, re.M)
-    return wire, float(kv.group(1))
 
 
 @pytest.mark.parametrize("prefill_args,decode_compression,wire", [

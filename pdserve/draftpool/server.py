@@ -135,9 +135,8 @@ class DraftPool:
 
 
 async def serve(cfg: DraftPoolConfig) -> None:
-    creds = NatsCredentials.from_config(cfg.nats)
-    nc = await nats.connect(**creds.connect_kwargs(), name="pdserve-draftpool", max_reconnect_attempts=-1,
-                            reconnect_time_wait=0.5)
+    creds = NatsCredentials.from_config(cfg.nats, scope=cfg.deployment_scope)
+    nc = await creds.connect(name="pdserve-draftpool", max_reconnect_attempts=-1, reconnect_time_wait=0.5)
     pool = DraftPool(cfg)
     await pool.start(nc)
     if cfg.metrics_port:

@@ -4,11 +4,13 @@
   serves a model); start here.
 * `blocks`  — `BlockPool`: KV blocks of all layers, block tables, refcounts, copy-on-write forks,
   prefix cache by hash chain (LRU), `OutOfBlocks`; `KVBlocks` in and out.
-* `model`   — our Llama forward over a ragged batch (`Transformer`, `ModelArgs`, `PagedBatch`),
-  attention through `pdserve.kernels.paged_attention`.
+* `hfmodel` — `HFPagedModel`: the checkpoint's own transformers model with pdserve's paged attention
+  plugged into transformers' attention interface (per-layer sliding windows, sinks, soft caps);
+  `cpustep` makes its steps cheap on the CPU (weight layouts, fused projections and norms). What a
+  checkpoint is before it loads, and what cannot serve, is `pdserve.checkpoint` (torch-free).
 * `runner`  — `PagedRunner`: prefill (chunked, prefix reuse), `step` over a batch, rollback,
   export/import of KV, the same `KVLayout` as `pdserve.runtime.ModelRunner`.
-* `dense`   — `DenseEngine`: one transformers cache per sequence, for models `model` does not implement.
+* `dense`   — `DenseEngine`: one transformers cache per sequence, for debugging (`--engine dense`).
 """
 from pdserve.engine.blocks import BlockPool, OutOfBlocks
 from pdserve.engine.factory import Engine, EngineUnavailable, create_engine

@@ -273,11 +273,13 @@ class BlockPool:
 
     # -- KV in and out ---------------------------------------------------------------------
 
-    def export_layer(self, seq_id, layer: int) -> torch.Tensor:
+    def export_layer(self, seq_id, layer: int, *, for_handoff: bool = False) -> torch.Tensor:
         """A copy of one layer of a sequence's KV `[nb, 2, kv_heads, block_size, head_dim]` on the CPU
-        (zeros past its length in the last block): what a handoff sends for that layer."""
+        (zeros past its length in the last block); with `for_handoff`, only the blocks a handoff carries
+        (`KVLayout.layer_blocks`: a sliding-window layer's last ones)."""
         s = self._seq(seq_id)
-        idx = torch.tensor(s.table, dtype=torch.int64, device=self.kv.device)
+        table = s.table[len(s.table) - self.layout.layer_blocks(layer, s.num_tokens):] if for_handoff else s.table
+        idx = torch.tensor(table, dtype=torch.int64, device=self.kv.device)
         # one layer at a time: index_select over the whole permuted [L, ...] view copied the entire pool (~0.3 s)
         data = self.kv[layer].index_select(0, idx)
         tail = s.num_tokens % self.block_size
@@ -291,17 +293,23 @@ class BlockPool:
         return KVBlocks(self.layout, self._seq(seq_id).num_tokens, layers)
 
     def import_blocks(self, seq_id, kv: KVBlocks) -> None:
-        """Create a sequence holding the KV of `kv` (refused with LayoutMismatch if its layout differs)."""
+        """Create a sequence holding the KV of `kv` (refused with LayoutMismatch if its layout differs).
+
+        A layer that holds only its last blocks (a sliding window's, in a handoff) fills the sequence's last
+        blocks; its earlier ones keep whatever they held, which its attention never reads."""
         self.layout.check_matches(kv.layout)
         if len(kv.layers) != self.layout.num_layers:
             raise ValueError(f"KV has {len(kv.layers)} layers, pool has {self.layout.num_layers}")
         nb = self.layout.num_blocks(kv.num_tokens)
         for i, t in enumerate(kv.layers):
-            if t.shape[0] != nb:
-                raise ValueError(f"layer {i} has {t.shape[0]} blocks, {kv.num_tokens} tokens need {nb}")
+            need = self.layout.layer_blocks(i, kv.num_tokens)
+            if not need <= t.shape[0] <= nb:
+                raise ValueError(f"layer {i} ({self.layout.attention(i)}) has {t.shape[0]} blocks; {kv.num_tokens} "
+                                 f"tokens need {need}" + (f" to {nb}" if need != nb else ""))
         self.allocate(seq_id, kv.num_tokens)
-        idx = torch.tensor(self._seqs[seq_id].table, dtype=torch.int64, device=self.kv.device)
+        table = self._seqs[seq_id].table
         for i, t in enumerate(kv.layers):
+            idx = torch.tensor(table[nb - t.shape[0]:], dtype=torch.int64, device=self.kv.device)
             self.kv[i].index_copy_(0, idx, t.to(self.kv.device, self.kv.dtype))
 
     # -- internals -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The dense engine: one transformers `DynamicCache` and one forward per sequence per step.
 
-The fallback for models the paged engine does not implement; the workers drive it through the
-same `Engine` interface as `PagedRunner`.
+For debugging only (`--engine dense`): every model runs on the paged engine. The workers drive it
+through the same `Engine` interface as `PagedRunner`.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ class DenseEngine:
     """The engine interface (`pdserve.engine.Engine`) over a `ModelRunner`: one dense
     `DynamicCache` per sequence, one forward per sequence per step.
 
-    For models the paged engine does not implement (it runs Llama-family checkpoints); the
-    decode loop drives either through the same calls.
+    Full-attention models only: a sliding-window layer's handoff holds only its window, which a dense
+    cache cannot take. The decode loop drives either engine through the same calls.
     """
 
     def __init__(self, runner: ModelRunner, capacity_bytes: int):

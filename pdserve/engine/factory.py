@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from pdserve.runtime import ModelRunner
 
 ENGINE_KINDS = ("auto", "paged", "dense")
-PAGED_MODEL_TYPES = ("llama",)  # transformers `model_type`s the paged engine's own forward implements
 MIN_PAGED_BLOCKS = 16
 
 
@@ -33,7 +32,8 @@ class Engine(Protocol):
     `pdserve.engine.OutOfBlocks` otherwise, having changed nothing.
 
     Layer streaming (prefill) needs more than this: an engine with a `model` whose `layers` take
-    forward hooks, and a `pool` with `export_layer(seq_id, layer)`; prefill checks for `model`.
+    forward hooks, and `export_layer(seq_id, layer)` (a layer's KV as a handoff carries it); prefill checks
+    for `model`.
     """
 
     layout: KVLayout
@@ -77,7 +77,9 @@ class Engine(Protocol):
         """Open a sequence holding `kv` (checked against `layout`); `token_ids` let it join the prefix cache."""
         ...
 
-    def export_kv(self, seq_id: Hashable) -> KVBlocks: ...
+    def export_kv(self, seq_id: Hashable) -> KVBlocks:
+        """Every block of every layer; a handoff carries its `for_handoff()` part (sliding windows trimmed)."""
+        ...
 
     def holds(self, h: bytes) -> bool:
         """Whether the prefix cache holds the full block with hash-chain address `h` (`basetypes.block_hash`)."""
@@ -92,18 +94,17 @@ def create_engine(runner: ModelRunner, *, kv_capacity_bytes: int, kind: str = "a
                   small_step_weights: bool = True) -> Engine:
     """The engine for `runner`'s model, on its device and dtype, with `kv_capacity_bytes` of KV.
 
-    `kind`: "paged" (block pool, batched ragged steps, prefix cache; the model families of
-    PAGED_MODEL_TYPES), "dense" (one cache and one forward per sequence; any causal LM) or "auto"
-    (paged where it can, else dense). `prefix_cache=False` publishes no blocks to the paged engine's
-    prefix cache (decode never looks prompts up); `small_step_weights` keeps the paged model's extra
-    CPU weight layouts for small steps (decode's steps, not prefill's). The engine's KV layout is
-    the runner's, or EngineUnavailable/LayoutMismatch says why not.
+    `kind`: "paged" or "auto" (block pool, batched ragged steps, prefix cache: every model, through its
+    transformers implementation with paged attention), "dense" (one cache and one forward per sequence,
+    for debugging; full-attention models only). `prefix_cache=False` publishes no blocks to the paged
+    engine's prefix cache (decode never looks prompts up); `small_step_weights` keeps the paged model's
+    extra CPU weight layouts for small steps (decode's steps, not prefill's). The engine's KV layout is
+    the runner's, or EngineUnavailable/LayoutMismatch (or `checkpoint.UnsupportedModel`) says why not.
     """
     if kind not in ENGINE_KINDS:
         raise EngineUnavailable(f"unknown engine {kind!r}; expected one of {', '.join(ENGINE_KINDS)}")
-    model_type = runner.config.model_type
     layout = runner.layout
-    if kind != "dense" and model_type in PAGED_MODEL_TYPES:
+    if kind != "dense":
         from pdserve.engine.runner import PagedRunner
 
         blocks = max(MIN_PAGED_BLOCKS, kv_capacity_bytes // (layout.block_bytes * layout.num_layers))
@@ -111,8 +112,9 @@ def create_engine(runner: ModelRunner, *, kv_capacity_bytes: int, kind: str = "a
                              num_blocks=blocks, prefix_cache=prefix_cache, small_step_weights=small_step_weights)
         layout.check_matches(engine.layout, what="paged engine")
         return engine
-    if kind == "paged":
-        raise EngineUnavailable(f"--engine paged runs Llama-family models; {model_type} is not one")
+    if layout.layer_windows:
+        raise EngineUnavailable(f"the dense engine (for debugging) takes full-attention models; "
+                                f"{runner.model_dir.name} has sliding-window layers")
     from pdserve.engine.dense import DenseEngine
 
     return DenseEngine(runner, kv_capacity_bytes)

@@ -1,10 +1,11 @@
-"""PagedRunner: our Llama forward over a BlockPool — chunked prefill with prefix reuse, batched ragged steps, rollback.
+"""PagedRunner: a transformers model over a BlockPool — chunked prefill with prefix reuse, batched ragged steps, rollback.
 
 A sequence lives in the pool as a block table plus its token ids. `prefill` reuses the longest
 cached prefix of whole blocks and computes only the rest, in chunks; `step` runs one forward for
 a whole batch in which each sequence brings 1 token (decode), k+1 (speculative verification) or
-a prompt chunk; `rollback` drops rejected tokens. KV enters and leaves as `KVBlocks`, the same
-payload `pdserve.runtime.ModelRunner` produces, so handoffs work between both runtimes.
+a prompt chunk; `rollback` drops rejected tokens. KV enters and leaves as `KVBlocks` with the
+model's `KVLayout` (per layer: full or sliding-window attention), what the channel moves.
+The model is the checkpoint's own transformers implementation (`hfmodel.HFPagedModel`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from pdserve.basetypes import DEFAULT_BLOCK_SIZE, KVLayout, dtype_name
 from pdserve.engine.blocks import BlockPool, OutOfBlocks
-from pdserve.engine.model import PagedBatch, Transformer
+from pdserve.engine.hfmodel import HFPagedModel, PagedBatch
 from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.modelstore import model_fingerprint
 
@@ -30,7 +31,9 @@ class PagedRunner:
     `paged_attention` ("reference" on the CPU, "auto" elsewhere by default). `prefix_cache=False`
     publishes no blocks to the prefix cache (decode, which never looks prompts up): freed blocks
     are then truly free, which keeps the pool's free space in long runs. `small_step_weights=False` leaves
-    out the extra CPU weight layouts for steps of 2-12 rows (see `model.Linear`): prefill has no use for them.
+    out the extra CPU weight layouts for steps of 2-12 rows (see `cpustep.CpuLinear`): prefill has no use for them.
+    Raises `checkpoint.UnsupportedModel` (naming the architecture and what is missing) for a checkpoint it
+    cannot serve.
     """
 
     def __init__(
@@ -48,20 +51,14 @@ class PagedRunner:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         impl = attention_impl or ("reference" if self.device.type == "cpu" else "auto")
-        self.model = Transformer.from_pretrained(self.model_dir, dtype=dtype, device=self.device, attention_impl=impl,
-                                                 small_step_weights=small_step_weights)
-        args = self.model.args
-        self.args = args
-        self.max_context = args.max_position
-        self.vocab_size = args.vocab_size
-        self.layout = KVLayout(
-            model_fingerprint=model_fingerprint(self.model_dir),
-            num_layers=args.n_layers,
-            kv_heads=args.n_kv_heads,
-            head_dim=args.head_dim,
-            dtype=dtype_name(dtype),
-            block_size=block_size,
-        )
+        model = HFPagedModel.from_pretrained(self.model_dir, dtype=dtype, device=self.device, attention_impl=impl,
+                                             small_step_weights=small_step_weights)
+        shape = dict(num_layers=len(model.layers), kv_heads=model.kv_heads, head_dim=model.head_dim,
+                     layer_windows=model.layer_windows)
+        self.max_context, self.vocab_size = model.max_context, model.vocab_size
+        self.model = model
+        self.layout = KVLayout(model_fingerprint=model_fingerprint(self.model_dir), dtype=dtype_name(dtype),
+                               block_size=block_size, **shape)
         self.pool = BlockPool(self.layout, num_blocks, device=self.device)
         self.prefix_cache = prefix_cache
         # Token ids whose K/V the pool holds, per sequence; None where they are unknown (a KV
@@ -228,8 +225,13 @@ class PagedRunner:
     # -- KV in and out as blocks -----------------------------------------------------------
 
     def export_kv(self, seq_id) -> KVBlocks:
-        """A copy of a sequence's KV as `KVBlocks` (on the CPU), what the channel moves."""
+        """A copy of a sequence's KV as `KVBlocks` (on the CPU), every block of every layer; a handoff carries
+        its `for_handoff()` part."""
         return self.pool.export_blocks(seq_id)
+
+    def export_layer(self, seq_id, layer: int) -> torch.Tensor:
+        """A copy of one layer's KV as a handoff carries it (a sliding-window layer's last blocks), on the CPU."""
+        return self.pool.export_layer(seq_id, layer, for_handoff=True)
 
     def import_kv(self, seq_id, kv: KVBlocks, token_ids: list[int] | None = None) -> None:
         """Create a sequence from a received KV (refused with LayoutMismatch if its layout differs).

@@ -18,33 +18,33 @@ Fixtures (all session-scoped unless noted):
 - `k8s_namespace` (function-scoped) -> str: a fresh namespace for one test, deleted afterwards.
 - `k8s_tool` -> callable `name -> path` of a cached tool (`helm`, `kubectl`); skips if absent.
 
+- `k8s_node` -> `NodeCluster` (scripts/k8s-node.py): a second, separate cluster with a real node
+  (kubelet, containerd, kube-proxy, cluster DNS) in a network namespace of its own, with the
+  images of scripts/k8s-images.py imported (`k8s_node.images[name].ref`; built, when a selected
+  test needs the node, right after collection, before any test's timeout runs). Its `kubeconfig` points
+  at a loopback relay; `k8s_node.forward(ip, port)` gives a loopback port for a Service or pod as
+  seen from the node. It does not touch `KUBECONFIG`: pass `k8s_node.kubeconfig` explicitly.
+  The control-plane-only tests keep `k8s_cluster`: they stand in for a kubelet (status patches)
+  and serve webhooks and metrics APIs on the host's loopback, which a node would contradict and
+  its namespaced API server could not reach. Skipped with the reason when a part is missing.
+  `PDSERVE_K8S_NODE=<workdir>` attaches to a node started by hand (`scripts/k8s-cluster.py --node`
+  prints its workdir) instead of starting one: the tests then leave it running.
+
 Another test module in tests/k8s/ can simply request these fixtures by name.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
+from nodehelpers import script_module
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load_cluster_module():
-    name = "pdserve_k8s_cluster"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "k8s-cluster.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-k8s_cluster_module = _load_cluster_module()
+k8s_cluster_module = script_module("k8s-cluster.py")
+# The node's images, built once collection is final (so outside every test's timeout: a cold build
+# takes many minutes) when a selected test uses the node: name -> Image, or the build's error.
+_node_images: dict = {}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,6 +52,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.k8s)
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or os.environ.get("PDSERVE_K8S_NODE"):
+        return
+    if any("k8s_node" in getattr(i, "fixturenames", ()) for i in session.items):
+        node = script_module("k8s-node.py")
+        if not node.missing_node_parts():
+            try:
+                _node_images["images"] = node.images_mod.build_images()
+            except Exception as e:  # the k8s_node fixture raises it: an error in the tests that need it
+                _node_images["error"] = e
 
 
 @pytest.fixture(scope="session")
@@ -78,6 +90,27 @@ def k8s_cluster():
             os.environ.pop("KUBECONFIG", None)
         else:
             os.environ["KUBECONFIG"] = old
+
+
+@pytest.fixture(scope="session")
+def k8s_node():
+    node = script_module("k8s-node.py")
+    missing = node.missing_node_parts()
+    if missing:
+        pytest.skip(f"node parts absent ({', '.join(missing)}); run scripts/k8s-tools.sh "
+                    "(make test runs it through scripts/setup.sh)")
+    if os.environ.get("PDSERVE_K8S_NODE"):
+        cluster = node.NodeCluster.attach(os.environ["PDSERVE_K8S_NODE"])
+    else:
+        if "error" in _node_images:
+            raise _node_images["error"]
+        cluster = node.NodeCluster(images=_node_images.get("images") or {},
+                                   controller_args=["--horizontal-pod-autoscaler-sync-period=5s"])
+        cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")

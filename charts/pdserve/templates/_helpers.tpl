@@ -50,6 +50,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{- define "pdserve.operatorImage" -}}
+{{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) }}
+{{- end }}
+
 {{- define "pdserve.natsName" -}}
 {{- printf "%s-nats" (include "pdserve.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
