@@ -44,7 +44,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects, scope_token
 from pdserve.natsserver import NatsCredentials
-from pdserve.operator.reconcile import selector_labels
+from pdserve.basetypes import selector_labels
 
 log = logging.getLogger("pdserve.autoscale.adapter")
 

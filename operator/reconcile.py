@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.autoscale.policy import prefill_range
+from pdserve.basetypes import selector_labels
 from pdserve.config import COMMANDS, OperatorSettings, Settings, options, to_args
 
 from .crd import GROUP, KIND, VERSION, apply_defaults
@@ -76,12 +77,6 @@ def labels(name: str, component: str | None = None) -> dict[str, str]:
     if component:
         out["app.kubernetes.io/component"] = component
     return out
-
-
-def selector_labels(name: str, component: str) -> dict[str, str]:
-    # Deployment selectors are immutable: only labels that never change for a pool.
-    return {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": name,
-            "app.kubernetes.io/component": component}
 
 
 def owner_reference(body: dict) -> dict:

@@ -1,4 +1,4 @@
-"""The plain types every layer shares: sampling parameters, the KV layout, block addresses.
+"""The plain types every layer shares: sampling parameters, the KV layout, block addresses, pool labels.
 
 This is the bottom of pdserve's import graph: it imports the standard library and pydantic,
 nothing of ours and nothing heavy, so the HTTP front, the wire protocol, the operator and the
@@ -251,3 +251,11 @@ def prefix_hashes(token_ids, block_size: int) -> list[bytes]:
 def announced(h: bytes) -> str:
     """How a block address appears in a LoadReport."""
     return h[:ANNOUNCED_HASH_BYTES].hex()
+
+
+def selector_labels(name: str, component: str) -> dict[str, str]:
+    """The labels that select an InferenceService's pool `component` ("prefill", "decode", "front"):
+    the operator's Deployment selectors and the metrics adapter's reports, which its HPAs must find,
+    share them. Deployment selectors are immutable, so only labels that never change for a pool."""
+    return {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/component": component}
