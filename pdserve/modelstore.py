@@ -9,6 +9,8 @@ and test run after that.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -101,6 +103,25 @@ def model_fingerprint(model_dir: Path) -> str:
     return fp
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Within: one parse of a GGUF file serves every reader of it, and one tensor-name map every lookup.
+
+    transformers parses the whole file for the tokenizer, again for the config, again for the weights
+    (a large vocabulary makes each parse the bulk of a small model's conversion), and rebuilds the
+    same tensor-name map for each of the model's modules. Both are read-only where transformers uses them.
+    """
+    import gguf as gguf_py
+
+    reader, name_map = gguf_py.GGUFReader, gguf_py.get_tensor_name_map
+    gguf_py.GGUFReader = functools.lru_cache(maxsize=2)(reader)
+    gguf_py.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)
+    try:
+        yield
+    finally:
+        gguf_py.GGUFReader, gguf_py.get_tensor_name_map = reader, name_map
+
+
 def convert_gguf(gguf: Path, target: Path) -> Path:
     """Convert a GGUF file into a float32 checkpoint folder at `target` (once: a converted folder is reused)."""
     marker = target / "pdserve-converted.json"
@@ -112,10 +133,11 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
 
     t0 = time.monotonic()
     print(f"pdserve: converting {gguf.name} into {target} (once; a minute or more) ...", file=sys.stderr)
-    print("pdserve:   [1/3] loading the tokenizer from the GGUF", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    print("pdserve:   [2/3] dequantising the weights", file=sys.stderr)
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        print("pdserve:   [1/3] loading the tokenizer from the GGUF", file=sys.stderr)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        print("pdserve:   [2/3] dequantising the weights", file=sys.stderr)
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model: rebuild a plain model of its class from its config.
     cfg = src.config
     if hasattr(cfg, "quantization_config"):
