@@ -9,6 +9,10 @@ the answer, whose KV an idle worker computes ahead so the next turn starts from 
 knowing which worker is responsible for it (prefill until the handoff, decode after), and
 fails the request — with an OpenAI-style error, or an error event on an SSE stream — when that
 worker dies or goes silent past a bound. It never answers 200 with a truncated result.
+
+(Just over our ~600-line norm: the two OpenAI endpoints share the request life cycle here —
+routing, following the responsible worker, streaming and n choices — and splitting it would put
+one request's state in two modules.)
 """
 from __future__ import annotations
 

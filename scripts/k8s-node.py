@@ -14,6 +14,10 @@ folder that a watch on Services and Endpoints keeps current (dnsmasq rereads it 
 answers NXDOMAIN for every other cluster.local name so that resolv.conf's search list moves on.
 No pod, SRV or ExternalName records.
 
+(Just over our ~600-line norm: the node is one life cycle — namespaces, daemons, images, relays —
+whose start and stop must mirror each other step for step; the netns and cgroup mechanics are
+already apart in k8s-netns.py.)
+
 The host reaches the cluster through loopback relays (`forward`): a listener on 127.0.0.1 whose
 connections are dialled from sockets made inside the namespace (`setns` on one thread; a socket
 keeps the namespace it was made in). The kubeconfig points at such a relay, so kubectl, helm,

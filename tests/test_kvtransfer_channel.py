@@ -2,6 +2,7 @@
 shared memory and a real NATS server: intact transfers, negotiation, compression, layer streaming,
 and the faults (dead sender, dead receiver, corruption, truncation, stalls, NATS restart, wrong
 model, stale generation) — each bounded, each an error, nothing left behind.
+(Over ~600 lines: the same faults once per transport, sharing one NATS server and fixture set.)
 """
 from __future__ import annotations
 

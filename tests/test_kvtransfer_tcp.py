@@ -1,6 +1,7 @@
 """The direct KV data path over real loopback TCP: intact transfers, and every way one can go wrong.
 
 No model here: KV payloads are random tensors with a real layout, so these run in seconds.
+(Over ~600 lines: one case per way a direct transfer fails, each short; they share one fixture set.)
 """
 from __future__ import annotations
 
