@@ -89,7 +89,7 @@ def test_each_inferenceservice_gets_a_confined_nats_user(kube, users_env, k8s_na
     ns_a, ns_b = k8s_namespace, f"{k8s_namespace}-b"
     kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns_b}})
     try:
-        with run_operator() as runner:
+        with run_operator(ns_a, ns_b) as runner:
             kube.create(isvc("llama", ns_a))
             kube.create(isvc("llama", ns_b))
             a = wait_for(lambda: _secret(kube, ns_a, "llama-nats").get("password") and

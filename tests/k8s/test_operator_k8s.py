@@ -69,10 +69,13 @@ def operator_env(kube):
             os.environ[k] = v
 
 
-def run_operator():
+def run_operator(*namespaces: str):
+    """The operator in this process, over every namespace or only `namespaces` (a test that counts
+    writes to a shared object watches only its own: the session's cluster holds other tests' leftovers)."""
     from kopf.testing import KopfRunner
 
-    return KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "pdserve.operator.handlers"], timeout=60)
+    scope = [a for ns in namespaces for a in ("-n", ns)] or ["--all-namespaces"]
+    return KopfRunner(["run", "--standalone", *scope, "-m", "pdserve.operator.handlers"], timeout=60)
 
 
 def isvc(name: str, ns: str, **spec) -> dict:
