@@ -66,13 +66,21 @@ def port_free(port: int) -> bool:
             return False
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Up:
     """A `pdserve up` child process whose output is read line by line as it comes."""
 
     def __init__(self, *args: str, tag: str):
         self.tag = tag
+        # Started as a terminal's foreground job is, with SIGINT at its default: a test run that was
+        # itself started in the background (CI under `cmd &`, nohup) inherits SIGINT ignored, and
+        # `up` rightly leaves an ignored Ctrl-C ignored, as a shell's background job does.
         self.proc = subprocess.Popen([sys.executable, "-P", "-m", "pdserve.cli", "up", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, TAG: tag})
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, TAG: tag},
+                                     preexec_fn=_sigint_default)
         self.lines: queue.Queue = queue.Queue()
         self.seen_lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
