@@ -137,6 +137,11 @@ class Subjects:
         return f"{PREFIX}.load.{scope_token(scope)}.{_safe_token(role)}.{_safe_token(worker_id)}"
 
     @staticmethod
+    def load_role(scope: str, role: str) -> str:
+        """Every load report of one role's workers in a scope."""
+        return f"{PREFIX}.load.{scope_token(scope)}.{_safe_token(role)}.*"
+
+    @staticmethod
     def load_all(scope: str) -> str:
         return f"{PREFIX}.load.{scope_token(scope)}.>"
 

@@ -52,7 +52,7 @@ def load_reports(cluster, role: str, seconds: float = 1.5) -> dict[str, LoadRepo
             if r.scope == cluster.scope:
                 seen[r.worker_id] = r
 
-        await nc.subscribe(Subjects.load(cluster.scope, role, "*").replace(".__", ".*"), cb=cb)
+        await nc.subscribe(Subjects.load_role(cluster.scope, role), cb=cb)
         await asyncio.sleep(seconds)
         await nc.close()
         return seen
