@@ -76,6 +76,8 @@ METRICS: dict[str, MetricDef] = {
     "pdserve_transfer_backlog_handoffs": MetricDef(None, lambda r: r.transfer_backlog_handoffs, "sum"),
     "pdserve_transfer_backlog_bytes": MetricDef(None, lambda r: r.transfer_backlog_bytes, "sum"),
     "pdserve_spec_acceptance_rate": MetricDef("decode", lambda r: r.spec_acceptance_rate, "mean"),
+    "pdserve_draftpool_requests_per_second": MetricDef("draft", lambda r: r.requests_per_second, "sum"),
+    "pdserve_draftpool_queue_depth": MetricDef("draft", lambda r: r.queue_depth, "sum"),
 }
 
 

@@ -268,6 +268,7 @@ class LoadReport(Message):
     itl_seconds: float = 0.0  # recent mean inter-token latency, decode side
     tokens_per_second: float = 0.0
     spec_acceptance_rate: float = 0.0
+    requests_per_second: float = 0.0  # recent rate of requests taken (the draft pool: draft asks)
     stale_after_s: float = 3.0
     # Prefill: prompt tokens accepted but not yet computed (the router's load signal), and the
     # prefix cache's contents — `basetypes.announced()` addresses of cached full blocks of `block_size`

@@ -26,6 +26,8 @@ KV_DTYPES = list(config.DTYPES)  # what the workers run with; `auto` resolves pe
 COMPRESSIONS = list(basetypes.COMPRESSIONS)
 DEFAULT_PREFILL_METRIC = "pdserve_prefill_queue_depth"
 DEFAULT_DECODE_METRIC = "pdserve_decode_kv_utilization"
+DEFAULT_DRAFT_POOL_METRIC = "pdserve_draftpool_requests_per_second"
+DRAFTERS = ("suffix",)  # what a draft pool drafts from
 
 
 def _s(**kw) -> dict:
@@ -57,16 +59,16 @@ _FREE_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 _SECRET_KEY_REF = _obj({"name": _s(minLength=1), "key": _s(minLength=1)}, ["name", "key"])
 
 
-def _pool(default_metric: str, default_target: str, data_port: int) -> dict:
+def _resources(description: str) -> dict:
     return _obj({
-        "replicas": _i(0, default=1, description="Replicas when autoscaling is disabled."),
-        "gpus": _i(0, default=1, description="nvidia.com/gpu per pod (set in limits); a pool with GPUs runs on "
-                                             "CUDA, one without on the CPU."),
-        "resources": _obj({
-            "requests": {"type": "object", "additionalProperties": _QUANTITY},
-            "limits": {"type": "object", "additionalProperties": _QUANTITY},
-        }, description="CPU/memory (and other) requests and limits. GPUs come from `gpus` (nvidia.com/gpu here is "
-                       "refused); the CPU limit (else request), rounded down, is the workers' torch threads."),
+        "requests": {"type": "object", "additionalProperties": _QUANTITY},
+        "limits": {"type": "object", "additionalProperties": _QUANTITY},
+    }, description=description)
+
+
+def _placement() -> dict:
+    """Where a pool's pods run and what overrides their template: the same fields for every pool."""
+    return {
         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
         "tolerations": {"type": "array", "items": _obj({
             "key": _s(), "operator": _s(enum=["Exists", "Equal"]), "value": _s(),
@@ -81,16 +83,12 @@ def _pool(default_metric: str, default_target: str, data_port: int) -> dict:
             "spec": {**_FREE_OBJECT, "description": "Merged over the generated PodSpec (e.g. affinity, "
                      "priorityClassName, volumes); containers are merged by name."},
         }, description="Pod template overrides."),
-        "kv": _obj({
-            "dtype": _s(enum=KV_DTYPES, default="bfloat16",
-                        description="Model and KV cache element type; auto: bfloat16 on GPUs that have it, "
-                                    "float32 on the CPU. Both pools must hold the same."),
-            "blockSize": _i(1, maximum=1024, default=16, description="Tokens per KV block."),
-            "compressions": {"type": "array", "items": _s(enum=COMPRESSIONS),
-                             "default": list(COMPRESSIONS),
-                             "description": "Transfer compressions this pool can encode/decode."},
-        }, default={}),
-        "dataPort": _i(1, maximum=65535, default=data_port),
+    }
+
+
+def _scaling(default_metric: str, default_target: str) -> dict:
+    """A pool's HPA and disruption budget."""
+    return {
         "autoscaling": _obj({
             "enabled": {"type": "boolean", "default": True},
             "minReplicas": _i(1, default=1),
@@ -103,7 +101,60 @@ def _pool(default_metric: str, default_target: str, data_port: int) -> dict:
             "scaleDownStabilizationSeconds": _i(0, maximum=3600, default=300),
         }, default={}),
         "disruptionBudget": _obj({"maxUnavailable": _i(0, default=1)}, default={}),
+    }
+
+
+def _pool(default_metric: str, default_target: str, data_port: int) -> dict:
+    return _obj({
+        "replicas": _i(0, default=1, description="Replicas when autoscaling is disabled."),
+        "gpus": _i(0, default=1, description="nvidia.com/gpu per pod (set in limits); a pool with GPUs runs on "
+                                             "CUDA, one without on the CPU."),
+        "resources": _resources("CPU/memory (and other) requests and limits. GPUs come from `gpus` (nvidia.com/gpu "
+                                "here is refused); the CPU limit (else request), rounded down, is the workers' torch "
+                                "threads."),
+        **_placement(),
+        "kv": _obj({
+            "dtype": _s(enum=KV_DTYPES, default="bfloat16",
+                        description="Model and KV cache element type; auto: bfloat16 on GPUs that have it, "
+                                    "float32 on the CPU. Both pools must hold the same."),
+            "blockSize": _i(1, maximum=1024, default=16, description="Tokens per KV block."),
+            "compressions": {"type": "array", "items": _s(enum=COMPRESSIONS),
+                             "default": list(COMPRESSIONS),
+                             "description": "Transfer compressions this pool can encode/decode."},
+        }, default={}),
+        "dataPort": _i(1, maximum=65535, default=data_port),
+        **_scaling(default_metric, default_target),
     }, default={})
+
+
+# No default: absent, an InferenceService has no draft pool; present (even `{}`), it has one.
+DRAFT_POOL_SCHEMA = _obj({
+    "enabled": {"type": "boolean", "default": True,
+                "description": "Run the pool (false keeps its settings and removes it)."},
+    "drafter": _s(enum=list(DRAFTERS), default="suffix",
+                  description="What the pool drafts from. suffix: a suffix index of every finished request's prompt "
+                              "and output across the deployment (no model; CPU only)."),
+    "replicas": _i(0, default=1, description="Replicas when autoscaling is disabled."),
+    "resources": _resources("CPU/memory requests and limits. The suffix index needs no GPU (nvidia.com/gpu is "
+                            "refused)."),
+    **_placement(),
+    **_scaling(DEFAULT_DRAFT_POOL_METRIC, "2000"),
+    "suffixIndex": _obj({
+        "minN": _i(1, maximum=16, description="Shortest context suffix a draft may follow (tokens)."),
+        "maxN": _i(1, maximum=32, description="Longest context suffix looked up (tokens)."),
+        "maxTokens": _i(1, description="Most tokens of finished requests each replica holds; the least recently "
+                                       "used requests are evicted first."),
+        "shareTenants": {"type": "boolean", "description": "Let one tenant's text draft for another's requests "
+                                                           "(default: never)."},
+    }, description="The suffix drafter's index; unset fields keep `pdserve draftpool`'s defaults."),
+    "maxQueue": _i(1, description="Most draft requests waiting per replica; past it a request is answered "
+                                  "'overloaded' at once and its decode worker drafts locally."),
+    "timeoutSeconds": {"type": "number", "minimum": 0.001, "maximum": 1,
+                       "description": "Most seconds a decode step waits for the pool's draft (less where a quarter "
+                                      "of a plain step is less); past it the step drafts locally."},
+}, description="A draft pool (`pdserve draftpool`) that every decode pod asks for drafts over NATS, beside its own "
+               "prompt lookup (speculation.method ngram); decode falls back to local drafts when the pool is slow, "
+               "overloaded or gone.")
 
 
 SPEC_SCHEMA = _obj({
@@ -129,6 +180,7 @@ SPEC_SCHEMA = _obj({
         "method": _s(enum=["ngram", "draft", "none"], default="ngram"),
         "maxK": _i(1, maximum=64, default=8),
         "draft": _obj({"path": _s(minLength=1), "tokenizer": _s()}, ["path"]),
+        "draftPool": DRAFT_POOL_SCHEMA,
     }, default={}),
     "kvTransfer": _obj({
         "transport": _s(enum=["tcp", "shm", "nats"], default="tcp"),
@@ -182,6 +234,7 @@ STATUS_SCHEMA = _obj({
     "prefill": _POOL_STATUS,
     "decode": _POOL_STATUS,
     "front": _POOL_STATUS,
+    "draftpool": _POOL_STATUS,
     "ready": _s(),
     "conditions": {"type": "array", "items": _obj({
         "type": _s(), "status": _s(enum=["True", "False", "Unknown"]), "reason": _s(), "message": _s(),

@@ -45,8 +45,9 @@ from pdserve.config import OperatorSettings, from_environ
 
 from .crd import GROUP, KIND, PLURAL, VERSION, apply_defaults, crd
 from . import natsusers
-from .kube import Kube
-from .reconcile import POOLS, OperatorConfig, autoscaled, compute_status, desired_children, prefill_bounds_for_ratio
+from .kube import Kube, path_for
+from .reconcile import (DRAFT_POOL, POOLS, OperatorConfig, autoscaled, compute_status, desired_children,
+                        prefill_bounds_for_ratio)
 from .validation import validate
 
 ISVC_API = f"{GROUP}/{VERSION}"
@@ -223,7 +224,8 @@ def _apply(kube: Kube, desired: dict, keep_replicas: bool) -> Refusal | None:
 
 
 def _deployments(kube: Kube, namespace: str, name: str) -> dict[str, dict | None]:
-    return {pool: kube.get("apps/v1", "Deployment", namespace, f"{name}-{pool}") for pool in (*POOLS, "front")}
+    return {pool: kube.get("apps/v1", "Deployment", namespace, f"{name}-{pool}")
+            for pool in (*POOLS, "front", DRAFT_POOL)}
 
 
 def publish_status(kube: Kube, isvc: dict, status: dict) -> None:
@@ -261,16 +263,17 @@ def _reconcile(body: dict, memo: kopf.Memo, logger: logging.Logger) -> None:
         refusal = _apply(kube, child, keep_replicas=keep)
         if refusal:
             refused.append(refusal)
-    # Children that the spec no longer asks for (an HPA whose pool stopped autoscaling, the NATS copy).
+    # Children that the spec no longer asks for (an HPA whose pool stopped autoscaling, the NATS copy,
+    # a draft pool turned off).
     wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
-    possible = [("HorizontalPodAutoscaler", cfg.hpa_api_version, f"{name}-{p}") for p in POOLS]
-    possible.append(("Secret", "v1", f"{name}-nats"))
+    possible = [("HorizontalPodAutoscaler", cfg.hpa_api_version, f"{name}-{p}") for p in (*POOLS, DRAFT_POOL)]
+    possible += [("Secret", "v1", f"{name}-nats"), ("Deployment", "apps/v1", f"{name}-{DRAFT_POOL}"),
+                 ("PodDisruptionBudget", cfg.pdb_api_version, f"{name}-{DRAFT_POOL}")]
     for kind, api, child_name in possible:
         if (kind, child_name) not in wanted:
             obj = kube.get(api, kind, ns, child_name)
             if obj and _owned_by(obj, body["metadata"]["uid"]):
-                kube.request("DELETE", f"/{'api' if api == 'v1' else 'apis'}/{api}/namespaces/{ns}/"
-                             f"{'horizontalpodautoscalers' if kind != 'Secret' else 'secrets'}/{child_name}")
+                kube.request("DELETE", path_for(api, kind, ns, child_name))
                 logger.info(f"deleted {kind} {child_name}: no longer in the spec")
     status = compute_status(body, _deployments(kube, ns, name), [], _now(), cfg,
                             refused=[(r.reason, str(r)) for r in refused])

@@ -6,10 +6,15 @@ Children of an InferenceService `<n>` (all with an owner reference to it and app
   Deployment <n>-prefill, <n>-decode   worker pools (`pdserve prefill|decode ...`, their arguments
                                        rendered from pdserve.config's models, which the workers parse)
   Deployment <n>-front                 OpenAI-compatible HTTP front (`pdserve front ...`)
+  Deployment <n>-draftpool             with spec.speculation.draftPool: the draft pool (`pdserve draftpool`),
+                                       which decode pods (`--draft-pool`) ask over NATS; it listens on
+                                       no port but its metrics, so no Service routes to it
   Service    <n>                       the endpoint (front), port spec.serving.port
   Service    <n>-decode                headless: stable DNS for decode pods' data/metrics ports
-  HPA        <n>-prefill, <n>-decode   Pods-type custom metrics (autoscaling/v2 or v2beta2)
-  PDB        <n>-prefill, <n>-decode   policy/v1 or policy/v1beta1
+  HPA        <n>-prefill, <n>-decode,  Pods-type custom metrics (autoscaling/v2 or v2beta2)
+             <n>-draftpool
+  PDB        <n>-prefill, <n>-decode,  policy/v1 or policy/v1beta1
+             <n>-draftpool
   NetworkPolicy <n>-workers            ingress to the workers: data and metrics ports from the
                                        InferenceService's own pods (metrics also from the scraper's
                                        namespace, when the chart names one), nothing else
@@ -39,6 +44,7 @@ MODELS_DIR = "/models"
 METRICS_PORT = 9100
 FRONT_CONTAINER_PORT = 8000
 POOLS = ("prefill", "decode")
+DRAFT_POOL = "draftpool"
 # A stopping pod (rolling update, scale-down) first finishes what it holds: its drain (the
 # process's `drain_timeout` setting) ends before the kubelet's SIGKILL, and the front keeps
 # accepting until kube-proxy has taken it out of its Service (no Service routes to the workers:
@@ -142,6 +148,27 @@ def cpu_cores(quantity: int | float | str) -> float:
     return float(m.group(1)) * 10 ** int(m.group(2) or 0) * scale
 
 
+def draft_pool(spec: dict) -> dict | None:
+    """spec.speculation.draftPool of a defaulted spec when the InferenceService runs a draft pool, else None."""
+    pool = (spec.get("speculation") or {}).get("draftPool")
+    return pool if pool and pool.get("enabled", True) else None
+
+
+def pool_spec(spec: dict, pool: str) -> dict:
+    """The part of a defaulted spec that describes `pool` (prefill, decode, front, draftpool)."""
+    return spec["speculation"]["draftPool"] if pool == DRAFT_POOL else spec[pool]
+
+
+def scaled_pools(spec: dict) -> tuple[str, ...]:
+    """The pools of a defaulted spec that get an HPA (when autoscaled) and a disruption budget."""
+    return (*POOLS, DRAFT_POOL) if draft_pool(spec) else POOLS
+
+
+def deployed_pools(spec: dict) -> tuple[str, ...]:
+    """Every pool (a Deployment each) of a defaulted spec: prefill, decode, front, and the draft pool if any."""
+    return (*POOLS, "front", DRAFT_POOL) if draft_pool(spec) else (*POOLS, "front")
+
+
 def _compute(pool_spec: dict) -> dict:
     """Device and torch threads of a worker pool: CUDA when the pool has GPUs; threads from the
     CPU the pod may use (its limit, else its request), rounded down, at least 1."""
@@ -156,7 +183,7 @@ def _compute(pool_spec: dict) -> dict:
 def settings(body: dict, spec: dict, config: OperatorConfig, pool: str) -> Settings:
     """What one pool's processes run with, as the `pdserve.config` model its command parses.
 
-    spec: the defaulted InferenceService spec. pool: "prefill", "decode" or "front". Raises
+    spec: the defaulted InferenceService spec. pool: "prefill", "decode", "front" or "draftpool". Raises
     pydantic's ValidationError when the spec asks for a value the pool's settings refuse."""
     t, pc = spec["kvTransfer"], spec.get("prefixCache") or {}
     nats: dict[str, Any] = {"url": spec.get("nats", {}).get("url") or config.nats_url}
@@ -168,6 +195,12 @@ def settings(body: dict, spec: dict, config: OperatorConfig, pool: str) -> Setti
     if pool == "front":
         values.update(host="0.0.0.0", port=spec["serving"]["port"], kv_failure_policy=t["failurePolicy"],
                       preposition=pc.get("prepositioning", True), kv_dtype=spec["decode"]["kv"]["dtype"])
+    elif pool == DRAFT_POOL:
+        dp = spec["speculation"].get("draftPool") or {}
+        index = dp.get("suffixIndex") or {}
+        given = {"min_n": index.get("minN"), "max_n": index.get("maxN"), "max_tokens": index.get("maxTokens"),
+                 "share_tenants": index.get("shareTenants"), "max_queue": dp.get("maxQueue")}
+        values.update(metrics_port=METRICS_PORT, **{k: v for k, v in given.items() if v is not None})
     else:
         p = spec[pool]
         values.update(dtype=p["kv"]["dtype"], block_size=p["kv"]["blockSize"], data_port=p["dataPort"],
@@ -180,10 +213,13 @@ def settings(body: dict, spec: dict, config: OperatorConfig, pool: str) -> Setti
     if pool == "decode":
         s = spec["speculation"]
         draft = s.get("draft") if s["method"] == "draft" else None
+        dp = draft_pool(spec)
         values.update(
             data_host="0.0.0.0",
             spec={"method": s["method"], "max_k": s["maxK"],
-                  **({"draft_model": f"{MODELS_DIR}/{draft['path'].lstrip('/')}"} if draft else {})},
+                  **({"draft_model": f"{MODELS_DIR}/{draft['path'].lstrip('/')}"} if draft else {}),
+                  **({"draft_pool": True} if dp else {}),
+                  **({"draft_pool_timeout": dp["timeoutSeconds"]} if dp and "timeoutSeconds" in dp else {})},
             # idle KV segments kept in /dev/shm: half its bound, the rest for segments in use
             kv={"compression": t["compression"], "timeout": t["timeoutSeconds"],
                 "shm_pool_bytes": binary_bytes(t["shmSizeLimit"]) // 2})
@@ -249,14 +285,17 @@ def _merge(base: Any, override: Any) -> Any:
 def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> dict:
     name = body["metadata"]["name"]
     image = spec.get("image") or config.image
-    pool_spec = spec[pool] if pool in POOLS else spec["front"]
-    if pool in POOLS:
-        ports = [{"name": "data", "containerPort": spec[pool]["dataPort"], "protocol": "TCP"},
-                 {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
-        # /metrics answers once the model is loaded and NATS is connected (prefill dials out and has
-        # no listening data port, so a TCP probe on it would never pass)
+    ps = pool_spec(spec, pool)
+    # The draft pool reads no weights (it drafts from reported tokens) and lands no KV.
+    model_pod = pool != DRAFT_POOL
+    if pool != "front":
+        ports = [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
+        if pool in POOLS:
+            ports.insert(0, {"name": "data", "containerPort": spec[pool]["dataPort"], "protocol": "TCP"})
+        # /metrics answers once the model is loaded (the draft pool: once it subscribed) and NATS is
+        # connected (prefill dials out and has no listening data port, so a TCP probe on it would never pass)
         probe = {"httpGet": {"path": "/metrics", "port": "metrics"}, "periodSeconds": 5}
-        gpus = pool_spec["gpus"]
+        gpus = ps.get("gpus", 0)
     else:
         ports = [{"name": "http", "containerPort": spec["serving"]["port"], "protocol": "TCP"}]
         probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
@@ -268,24 +307,26 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
         "env": _env(body, spec, config, cfg),
         "ports": ports,
         "readinessProbe": probe,
-        "resources": _resources(pool_spec, gpus),
+        "resources": _resources(ps, gpus),
         "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
                          {"name": "tmp", "mountPath": "/tmp"},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],
+                         {"name": "dshm", "mountPath": "/dev/shm"}] if model_pod else
+                        [{"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}},
     }
     if pool == "front":
         container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(FRONT_PRE_STOP_S)]}}}
     # /dev/shm is memory: bounded, so the KV pools in it cannot grow past what the pod was given
-    volumes: list[dict] = [{"name": "tmp", "emptyDir": {}},
-                           {"name": "dshm", "emptyDir": {"medium": "Memory",
-                                                         "sizeLimit": spec["kvTransfer"]["shmSizeLimit"]}}]
+    volumes: list[dict] = [{"name": "tmp", "emptyDir": {}}]
+    if model_pod:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                     "sizeLimit": spec["kvTransfer"]["shmSizeLimit"]}})
     init: list[dict] = []
     model = spec["model"]
-    if model.get("pvc"):
+    if model_pod and model.get("pvc"):
         volumes.insert(0, {"name": "models", "persistentVolumeClaim": {"claimName": model["pvc"], "readOnly": True}})
-    elif model.get("image"):
+    elif model_pod and model.get("image"):
         # No image volumes before Kubernetes 1.31: copy the model image's /models into an emptyDir.
         volumes.insert(0, {"name": "models", "emptyDir": {}})
         init.append({"name": "fetch-model", "image": model["image"], "imagePullPolicy": spec["imagePullPolicy"],
@@ -307,15 +348,15 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
         volumes.append({"name": "nats-ca", "secret": {"secretName": f"{name}-nats",
                                                       "items": [{"key": "ca.crt", "path": "ca.crt"}]}})
         container["volumeMounts"].append({"name": "nats-ca", "mountPath": NATS_CA_DIR, "readOnly": True})
-    if pool in POOLS:
-        if pool_spec.get("nodeSelector"):
-            pod_spec["nodeSelector"] = dict(pool_spec["nodeSelector"])
-        if pool_spec.get("tolerations"):
-            pod_spec["tolerations"] = copy.deepcopy(pool_spec["tolerations"])
+    if pool != "front":
+        if ps.get("nodeSelector"):
+            pod_spec["nodeSelector"] = dict(ps["nodeSelector"])
+        if ps.get("tolerations"):
+            pod_spec["tolerations"] = copy.deepcopy(ps["tolerations"])
     meta = {"labels": {**labels(name, pool), **selector_labels(name, pool)},
             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT)}
-            if pool in POOLS else {}}
-    override = pool_spec.get("podTemplate") or {}
+            if pool != "front" else {}}
+    override = ps.get("podTemplate") or {}
     if override.get("spec"):
         pod_spec = _merge(pod_spec, override["spec"])
         for c in pod_spec.get("containers", []) + pod_spec.get("initContainers", []):
@@ -330,11 +371,12 @@ def _pod_template(body: dict, spec: dict, config: OperatorConfig, pool: str) -> 
 
 def _deployment(body: dict, spec: dict, config: OperatorConfig, pool: str) -> dict:
     name = body["metadata"]["name"]
-    if pool in POOLS:
-        a = spec[pool]["autoscaling"]
-        replicas = a["minReplicas"] if a["enabled"] else spec[pool]["replicas"]
+    ps = pool_spec(spec, pool)
+    if pool == "front":
+        replicas = ps["replicas"]
     else:
-        replicas = spec["front"]["replicas"]
+        a = ps["autoscaling"]
+        replicas = a["minReplicas"] if a["enabled"] else ps["replicas"]
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(body, f"{name}-{pool}", pool),
@@ -363,7 +405,7 @@ def prefill_bounds_for_ratio(spec: dict, decode_replicas: int) -> tuple[int, int
 
 
 def _hpa(body: dict, spec: dict, config: OperatorConfig, pool: str, bounds: tuple[int, int]) -> dict:
-    a = spec[pool]["autoscaling"]
+    a = pool_spec(spec, pool)["autoscaling"]
     target = a["metric"]["targetAverageValue"]
     return {
         "apiVersion": config.hpa_api_version, "kind": "HorizontalPodAutoscaler",
@@ -384,7 +426,7 @@ def _pdb(body: dict, spec: dict, config: OperatorConfig, pool: str) -> dict:
     return {
         "apiVersion": config.pdb_api_version, "kind": "PodDisruptionBudget",
         "metadata": _meta(body, f"{body['metadata']['name']}-{pool}", pool),
-        "spec": {"maxUnavailable": spec[pool]["disruptionBudget"]["maxUnavailable"],
+        "spec": {"maxUnavailable": pool_spec(spec, pool)["disruptionBudget"]["maxUnavailable"],
                  "selector": {"matchLabels": selector_labels(body["metadata"]["name"], pool)}},
     }
 
@@ -423,7 +465,7 @@ def _network_policies(body: dict, spec: dict, config: OperatorConfig) -> list[di
     workers = {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(body, f"{name}-workers", None),
         "spec": {"podSelector": {"matchLabels": own["podSelector"]["matchLabels"], "matchExpressions": [
-                     {"key": "app.kubernetes.io/component", "operator": "In", "values": list(POOLS)}]},
+                     {"key": "app.kubernetes.io/component", "operator": "In", "values": [*POOLS, DRAFT_POOL]}]},
                  "policyTypes": ["Ingress"], "ingress": ingress},
     }
     front = {
@@ -458,12 +500,12 @@ def desired_children(body: dict, config: OperatorConfig, observed: dict[str, int
         out.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
                     "metadata": _meta(body, f"{m['name']}-nats", None),
                     "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}})
-    for pool in (*POOLS, "front"):
+    for pool in deployed_pools(spec):
         out.append(_deployment(body, spec, config, pool))
     out += _services(body, spec)
     out += _network_policies(body, spec, config)
-    for pool in POOLS:
-        a = spec[pool]["autoscaling"]
+    for pool in scaled_pools(spec):
+        a = pool_spec(spec, pool)["autoscaling"]
         if a["enabled"]:
             bounds = (a["minReplicas"], a["maxReplicas"])
             if pool == "prefill":
@@ -477,7 +519,8 @@ def desired_children(body: dict, config: OperatorConfig, observed: dict[str, int
 
 def autoscaled(spec: dict, pool: str) -> bool:
     """True when an HPA owns `pool`'s replica count (the operator must then not overwrite it)."""
-    return pool in POOLS and apply_defaults(spec)[pool]["autoscaling"]["enabled"]
+    spec = apply_defaults(spec)
+    return pool in scaled_pools(spec) and pool_spec(spec, pool)["autoscaling"]["enabled"]
 
 
 # ---------------------------------------------------------------- status
@@ -506,7 +549,7 @@ def compute_status(body: dict, deployments: dict[str, dict | None], errors: list
     old = (body.get("status") or {}).get("conditions") or []
     status: dict[str, Any] = {"observedGeneration": generation, "endpoint": endpoint(body, spec, config)}
     not_ready, progressing, failed = [], [], []
-    for pool in (*POOLS, "front"):
+    for pool in deployed_pools(spec):
         d = deployments.get(pool)
         desired = ((d or {}).get("spec") or {}).get("replicas", 0) or 0
         st = (d or {}).get("status") or {}

@@ -17,10 +17,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pdserve.config import COMMANDS, option
+from pdserve.config import COMMANDS, DraftPoolConfig, option
 
 from .crd import apply_defaults
-from .reconcile import OperatorConfig, cpu_cores, desired_children, settings
+from .reconcile import DRAFT_POOL, OperatorConfig, cpu_cores, desired_children, draft_pool, settings
 
 DNS1035_LABEL = "[a-z]([-a-z0-9]*[a-z0-9])?"
 DNS1123_LABEL = "[a-z0-9]([-a-z0-9]*[a-z0-9])?"
@@ -38,7 +38,7 @@ _LABEL_RULE = (LABEL_VALUE, 63, "a label value: letters, digits, '-', '_' and '.
 def _probe_children(name: str) -> list[dict]:
     """The children an InferenceService called `name` gets with every optional child present."""
     body = {"metadata": {"name": name, "namespace": "default", "uid": "probe"},
-            "spec": {"model": {"path": "m", "pvc": "p"}}}
+            "spec": {"model": {"path": "m", "pvc": "p"}, "speculation": {"draftPool": {}}}}
     return desired_children(body, OperatorConfig(nats_credentials={"user": "", "password": ""}))
 
 
@@ -99,12 +99,16 @@ def validate_spec(spec: dict[str, Any]) -> list[str]:
     errors: list[str] = []
     pools = {name: s.get(name, {}) for name in ("prefill", "decode")}
 
-    for name, pool in pools.items():
+    dp = (s.get("speculation") or {}).get("draftPool")
+    scaled = {f"spec.{name}": pool for name, pool in pools.items()}
+    if dp is not None:
+        scaled["spec.speculation.draftPool"] = dp
+    for where, pool in scaled.items():
         a = pool.get("autoscaling", {})
         if a.get("enabled", True) and a.get("minReplicas", 1) > a.get("maxReplicas", 1):
             errors.append(
-                f"spec.{name}.autoscaling.minReplicas ({a['minReplicas']}) is greater than "
-                f"spec.{name}.autoscaling.maxReplicas ({a['maxReplicas']}); raise maxReplicas or lower minReplicas")
+                f"{where}.autoscaling.minReplicas ({a['minReplicas']}) is greater than "
+                f"{where}.autoscaling.maxReplicas ({a['maxReplicas']}); raise maxReplicas or lower minReplicas")
 
     pkv, dkv = pools["prefill"].get("kv", {}), pools["decode"].get("kv", {})
     if pkv.get("dtype") != dkv.get("dtype"):
@@ -143,6 +147,8 @@ def validate_spec(spec: dict[str, Any]) -> list[str]:
     elif draft is not None:
         errors.append(f"spec.speculation.draft is set but spec.speculation.method is {method!r}; "
                       "set method to 'draft' or remove the draft")
+    if dp is not None:
+        errors += _draft_pool_errors(dp, method)
 
     ratio = s.get("autoscaling", {}).get("prefillDecodeRatio")
     if ratio and "min" in ratio and "max" in ratio and ratio["min"] > ratio["max"]:
@@ -181,13 +187,41 @@ def validate_spec(spec: dict[str, Any]) -> list[str]:
     return errors or _settings_errors(s)
 
 
+def _draft_pool_errors(dp: dict, method: str) -> list[str]:
+    """What is wrong with spec.speculation.draftPool (defaulted), given the speculation method."""
+    errors = []
+    if dp.get("enabled", True) and method != "ngram":
+        errors.append(f"spec.speculation.draftPool is set but spec.speculation.method is {method!r}: decode pods ask "
+                      "the pool beside their own prompt lookup, so the pool needs method 'ngram'; set method to "
+                      "'ngram', or set draftPool.enabled to false")
+    index = dp.get("suffixIndex") or {}
+    defaults = DraftPoolConfig.model_fields
+    min_n, max_n = index.get("minN", defaults["min_n"].default), index.get("maxN", defaults["max_n"].default)
+    if min_n > max_n:
+        errors.append(f"spec.speculation.draftPool.suffixIndex.minN ({min_n}) is greater than .maxN ({max_n}"
+                      f"{'' if 'maxN' in index else ', its default'}); a draft follows a context suffix of minN to "
+                      "maxN tokens")
+    res = dp.get("resources") or {}
+    for section in ("limits", "requests"):
+        if "nvidia.com/gpu" in (res.get(section) or {}):
+            errors.append(f"spec.speculation.draftPool.resources.{section}.nvidia.com/gpu is set; the "
+                          f"{dp.get('drafter', 'suffix')} drafter runs on the CPU: remove it")
+        cpu = (res.get(section) or {}).get("cpu")
+        if cpu is not None:
+            try:
+                cpu_cores(cpu)
+            except ValueError as e:
+                errors.append(f"spec.speculation.draftPool.resources.{section}.cpu: {e}")
+    return errors
+
+
 def _settings_errors(spec: dict) -> list[str]:
     """What the pools' own settings (pdserve.config) refuse in the arguments this spec renders: the
     last word, so that a pod never starts only to exit on its arguments."""
     found: dict[tuple[str, str, str], list[str]] = {}
     body = {"metadata": {"name": "probe", "namespace": "default", "uid": "probe"}}
     for pool, kind in COMMANDS.items():
-        if pool == "draftpool":  # the CRD has no speculation.draftPool: the operator renders no draft pool
+        if pool == DRAFT_POOL and not draft_pool(spec):
             continue
         try:
             settings(body, spec, OperatorConfig(), pool)

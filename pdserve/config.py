@@ -170,7 +170,7 @@ class ProcessConfig(Settings):
     scope: str | None = Field(None, description="deployment scope: processes serve requests of their own scope "
                                                 "only (default: NAMESPACE.ISVC in Kubernetes, else 'default')")
     isvc: str | None = Field(None, description="the InferenceService this process belongs to")
-    pool: str | None = Field(None, description="its pool in that InferenceService (prefill, decode, front)")
+    pool: str | None = Field(None, description="its pool in that InferenceService (prefill, decode, front, draftpool)")
     namespace: Annotated[str | None, Opt(env="POD_NAMESPACE")] = Field(None, description="its Kubernetes namespace")
     drain_timeout: float = Field(25.0, ge=0, description="seconds a stopping process (SIGTERM) keeps serving what it "
                                                          "holds before failing the rest; keep it below the pod's "
@@ -192,11 +192,16 @@ class ProcessConfig(Settings):
         return "default"
 
 
-class WorkerConfig(ProcessConfig):
-    """What prefill and decode workers share."""
+class ReportingConfig(ProcessConfig):
+    """A process that publishes LoadReports (its heartbeat and autoscaling signal): its id and pod."""
 
     worker_id: str | None = Field(None, description="this worker's id (default: $POD_NAME, else role-host-pid)")
     pod_name: Annotated[str | None, Opt(flag=None, env="POD_NAME")] = Field(None, description="the pod's name")
+
+
+class WorkerConfig(ReportingConfig):
+    """What prefill and decode workers share."""
+
     device: str = Field("cpu", description="torch device: cpu, cuda or cuda:N; a worker refuses to start on cuda "
                                            "where CUDA is absent")
     dtype: Dtype = Field("auto", description="model and KV element type; auto: bfloat16 on GPUs that have it, "
@@ -255,7 +260,7 @@ class DecodeConfig(WorkerConfig):
         return self
 
 
-class DraftPoolConfig(ProcessConfig):
+class DraftPoolConfig(ReportingConfig):
     """`pdserve draftpool`: a fleet-wide suffix index answering decode workers' draft requests."""
 
     min_n: int = Field(2, ge=1, le=16, description="shortest context suffix a draft may follow")

@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 import nats
 from prometheus_client import CollectorRegistry, start_http_server
@@ -50,6 +51,16 @@ def require_device(device: str) -> None:
         raise SystemExit(f"--device {device}: CUDA is not available here (no GPU visible to this process, or a "
                          f"CPU-only torch build {torch.__version__}); run with --device cpu, or schedule the worker "
                          "where a GPU is")
+
+
+async def heartbeat(nc: nats.NATS, subject: str, report: Callable[[], LoadReport]) -> None:
+    """Publish `report()` on `subject` (`Subjects.load`) every HEARTBEAT_INTERVAL_S seconds until cancelled."""
+    while True:
+        try:
+            await nc.publish(subject, report().encode())
+        except Exception as e:  # NATS reconnecting: the next beat will go through
+            log.debug("heartbeat not sent: %s", e)
+        await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
 
 class WorkerBase:
@@ -137,12 +148,7 @@ class WorkerBase:
 
     async def _heartbeat(self) -> None:
         # beats until cancelled, draining included: the front follows the requests a draining worker holds
-        while True:
-            try:
-                await self.nc.publish(Subjects.load(self.scope, self.role, self.worker_id), self.load_report().encode())
-            except Exception as e:  # NATS reconnecting: the next beat will go through
-                log.debug("heartbeat not sent: %s", e)
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+        await heartbeat(self.nc, Subjects.load(self.scope, self.role, self.worker_id), self.load_report)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -6,12 +6,18 @@ and answers `DraftRequest`s from the `SuffixIndex` that decode workers' `DraftRe
 answered together in the next pass (one lookup loop, one batch: `pdserve_draftpool_batch_size`);
 past `max_queue` waiting, a request is answered at once with `overloaded` so its worker drafts
 locally, and one that already waited past its own deadline is dropped (its worker stopped waiting).
+
+Like the workers, it beats a `LoadReport` (role `draft`) each second: its queue and its recent rate
+of draft asks, which the metrics adapter serves to the pool's HPA (`pdserve_draftpool_*`).
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -20,10 +26,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from pdserve.config import DraftPoolConfig, load
 from pdserve.draftpool.index import SuffixIndex
-from pdserve.kvtransfer.protocol import DraftReply, DraftReport, DraftRequest, ProtocolError, Subjects
-from pdserve.natsserver import NatsCredentials
+from pdserve.kvtransfer.protocol import DraftReply, DraftReport, DraftRequest, LoadReport, ProtocolError, Subjects
+from pdserve.natsserver import NatsCredentials, close_connection
+from pdserve.workerbase import heartbeat
 
 log = logging.getLogger("pdserve.draftpool")
+
+ROLE = "draft"
+RATE_WINDOW_S = 10.0  # the asks-per-second an HPA sees: averaged over this long, so one burst moves it little
 
 
 def served_name(cfg: DraftPoolConfig) -> str:
@@ -45,6 +55,9 @@ class DraftPool:
         self.index = SuffixIndex(min_n=cfg.min_n, max_n=cfg.max_n, max_tokens=cfg.max_tokens,
                                  share_tenants=cfg.share_tenants)
         self.subject = Subjects.draft(cfg.deployment_scope, served_name(cfg))
+        self.worker_id = cfg.worker_id or cfg.pod_name or f"draftpool-{socket.gethostname()}-{os.getpid()}"
+        self.asked = 0  # draft requests received, answered or not
+        self._rate_samples: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic s, asked)
         self._pending: list[tuple[float, object, DraftRequest]] = []
         self.arrived = asyncio.Event()  # set when a request is queued
         self.indexed = asyncio.Event()  # set when a report joined the index
@@ -59,6 +72,8 @@ class DraftPool:
         self.m_draft_tokens = Counter("pdserve_draftpool_draft_tokens_total", "draft tokens proposed", registry=r)
         Gauge("pdserve_draftpool_index_tokens", "tokens held by the suffix index", registry=r
               ).set_function(lambda: self.index.num_tokens)
+        Gauge("pdserve_draftpool_queue_depth", "draft requests waiting for the next pass", registry=r
+              ).set_function(lambda: self.waiting)
 
     async def start(self, nc, *, serve: bool = True) -> None:
         """Subscribe on `nc`; with `serve`, answer in passes as requests arrive (without, call `serve_once`)."""
@@ -86,6 +101,7 @@ class DraftPool:
         self.indexed.set()
 
     async def _on_request(self, msg) -> None:
+        self.asked += 1
         try:
             req = DraftRequest.decode(msg.data)
         except ProtocolError as e:
@@ -103,6 +119,23 @@ class DraftPool:
     def waiting(self) -> int:
         """Requests queued for the next pass."""
         return len(self._pending)
+
+    def asks_per_second(self, now: float | None = None) -> float:
+        """Draft requests received per second over about the last RATE_WINDOW_S seconds (0 on the first call)."""
+        now = time.monotonic() if now is None else now
+        samples = self._rate_samples
+        samples.append((now, self.asked))
+        while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW_S:
+            samples.popleft()
+        t0, n0 = samples[0]
+        return (self.asked - n0) / (now - t0) if now > t0 else 0.0
+
+    def load_report(self) -> LoadReport:
+        """This replica's heartbeat: who it is (pod, pool) and its load (queue, asks per second)."""
+        cfg = self.cfg
+        return LoadReport(worker_id=self.worker_id, role=ROLE, model=served_name(cfg), isvc=cfg.isvc, pool=cfg.pool,
+                          pod=cfg.pod_name, namespace=cfg.namespace, scope=cfg.deployment_scope,
+                          queue_depth=self.waiting, requests_per_second=self.asks_per_second())
 
     async def serve_once(self) -> int:
         """Answer every request waiting now, as one batch (one lookup pass); → how many were answered."""
@@ -141,13 +174,20 @@ async def serve(cfg: DraftPoolConfig) -> None:
     await pool.start(nc)
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, registry=pool.registry)
+    beat = asyncio.create_task(heartbeat(nc, Subjects.load(cfg.deployment_scope, ROLE, pool.worker_id),
+                                         pool.load_report))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    beat.cancel()
+    try:  # the metrics adapter forgets this replica at once rather than after its reports go stale
+        await nc.publish(Subjects.bye(cfg.deployment_scope, ROLE, pool.worker_id), pool.load_report().encode())
+    except Exception as e:  # NATS gone: nobody is reading
+        log.info("bye not delivered: %s", e)
     await pool.close()
-    await nc.drain()
+    await close_connection(nc)
 
 
 def main(argv: list[str]) -> int:
