@@ -284,3 +284,56 @@ def test_front_proxy_client_certificate_required_on_apis(nats_server, tmp_path):
             await adapter.close()
 
     asyncio.run(main())
+
+
+def test_the_draft_pools_asks_per_second_reach_its_hpa(nats_server, tmp_path):
+    """A real draft pool (its heartbeat, on NATS) as the operator configures it: the adapter serves its
+    rate of draft asks and its queue under the metric its HPA names, to the selector that HPA sends,
+    and forgets the replica at its `bye`."""
+    from pdserve.config import DraftPoolConfig
+    from pdserve.draftpool.server import DraftPool
+    from pdserve.kvtransfer.protocol import DraftRequest
+
+    children = {(c["kind"], c["metadata"]["name"]): c for c in desired_children(
+        {"metadata": {"name": "llama", "namespace": NS, "uid": "u"},
+         "spec": {"model": {"path": "m", "pvc": "p"}, "speculation": {"draftPool": {}}}}, OperatorConfig())}
+    hpa = children[("HorizontalPodAutoscaler", "llama-draftpool")]["spec"]
+    metric = hpa["metrics"][0]["pods"]["metric"]["name"]
+    selector = ",".join(f"{k}={v}" for k, v in
+                        children[("Deployment", "llama-draftpool")]["spec"]["selector"]["matchLabels"].items())
+
+    async def body(h):
+        pool = DraftPool(DraftPoolConfig(isvc="llama", pool="draftpool", namespace=NS, pod_name="llama-draftpool-x"))
+        pool_nc = await nats.connect(**nats_server.creds.connect_kwargs())
+        await pool.start(pool_nc)
+        asks = 0
+
+        async def asked():
+            nonlocal asks
+            for i in range(20):
+                await h.nc.request(pool.subject, DraftRequest(request_id=f"r{asks}", tenant="t", tail=[1, 2], k=2,
+                                                              timeout_ms=5000).encode(), timeout=5)
+                asks += 1
+            code, doc = await h.get(f"{CUSTOM}/namespaces/{NS}/pods/*/{metric}", labelSelector=selector)
+            return code == 200 and doc["items"] and doc["items"][0]["value"] not in ("0", "0m")
+
+        await h.until(asked, "a non-zero rate of draft asks")
+        code, doc = await h.get(f"{CUSTOM}/namespaces/{NS}/pods/*/{metric}", labelSelector=selector)
+        [item] = doc["items"]
+        assert item["describedObject"]["name"] == "llama-draftpool-x"
+        rate = float(item["value"].removesuffix("m")) / (1000 if item["value"].endswith("m") else 1)
+        assert 0 < rate <= asks / 0.05  # asks over at least the 50 ms the test polls apart, at most all of them
+        code, doc = await h.get(f"{CUSTOM}/namespaces/{NS}/pods/*/pdserve_draftpool_queue_depth", labelSelector=selector)
+        assert [i["value"] for i in doc["items"]] == ["0"]  # every ask was answered
+        # prefill's metric does not count the pool's pod, nor the pool's decode's
+        code, doc = await h.get(f"{CUSTOM}/namespaces/{NS}/pods/*/pdserve_prefill_queue_depth")
+        assert doc["items"] == []
+
+        await pool.close()
+
+        async def forgotten():
+            return len(h.adapter.store) == 0
+        await h.until(forgotten, "the pool's bye")
+        await pool_nc.close()
+
+    run_with_adapter(nats_server, tmp_path, body)

@@ -243,10 +243,21 @@ def test_validation_accepts_a_good_spec():
       "speculation": {"method": "draft", "draft": {"path": "d", "tokenizer": "gpt2"}}}, "must share the target's tokenizer"),
     ({"model": {"path": "m"}}, "spec.model needs a source for /models"),
     ({"autoscaling": {"prefillDecodeRatio": {"min": 2, "max": 1}}}, "prefillDecodeRatio.min (2)"),
+    ({"speculation": {"method": "none", "draftPool": {}}},
+     "spec.speculation.draftPool is set but spec.speculation.method is 'none'"),
+    ({"speculation": {"draftPool": {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}}},
+     "spec.speculation.draftPool.autoscaling.minReplicas (3) is greater than"),
+    ({"speculation": {"draftPool": {"suffixIndex": {"minN": 12}}}},
+     "spec.speculation.draftPool.suffixIndex.minN (12) is greater than .maxN (8, its default)"),
+    ({"speculation": {"draftPool": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}},
+     "spec.speculation.draftPool.resources.limits.nvidia.com/gpu is set; the suffix drafter runs on the CPU"),
+    ({"speculation": {"draftPool": {"resources": {"requests": {"cpu": "lots"}}}}},
+     "spec.speculation.draftPool.resources.requests.cpu: 'lots' is not a CPU quantity"),
+    ({"speculation": {"draftPool": {"suffixIndex": {"maxTokens": 10 ** 12}, "maxQueue": 10 ** 9}}}, None),
 ])
 def test_validation_refuses_cross_field_mistakes(spec, needle):
     errors = validate_spec(isvc(spec)["spec"])
-    assert any(needle in e for e in errors), errors
+    assert (errors == []) if needle is None else any(needle in e for e in errors), errors
 
 
 def test_chart_crd_is_generated_from_python():
@@ -525,7 +536,8 @@ def test_children_validate_strictly_against_kubernetes(tmp_path):
         pytest.skip("kubernetes-validate absent; run scripts/k8s-tools.sh")
     cfg = OperatorConfig(metrics_scraper_namespace="monitoring")  # autoscaling/v2, policy/v1
     files = []
-    for i, d in enumerate(desired_children(isvc({"decode": {"autoscaling": {"enabled": True}}}), cfg)):
+    spec = {"decode": {"autoscaling": {"enabled": True}}, "speculation": {"draftPool": {}}}
+    for i, d in enumerate(desired_children(isvc(spec), cfg)):
         f = tmp_path / f"{i:02d}-{d['kind']}.yaml"
         f.write_text(yaml.safe_dump(d))
         files.append(str(f))
@@ -534,3 +546,83 @@ def test_children_validate_strictly_against_kubernetes(tmp_path):
         r = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k", version, *files],
                            capture_output=True, text=True)
         assert r.returncode == 0, f"k8s {version}:\n{r.stdout}\n{r.stderr}"
+
+
+# ---------------------------------------------------------------- the draft pool
+
+DRAFT_POOL_SPEC = {"draftPool": {"suffixIndex": {"minN": 3, "maxTokens": 100000, "shareTenants": True},
+                                 "maxQueue": 64, "timeoutSeconds": 0.01,
+                                 "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+                                 "nodeSelector": {"pool": "cpu"},
+                                 "autoscaling": {"minReplicas": 2, "maxReplicas": 5,
+                                                 "metric": {"targetAverageValue": "1500"}}}}
+
+
+def test_the_draft_pool_is_rendered_with_its_hpa_and_pdb_and_decode_asks_it():
+    """spec.speculation.draftPool: a `pdserve draftpool` Deployment whose settings come from the spec, an
+    HPA on the pool's own metric, a PDB; decode pods get --draft-pool and ask the very subject the pool
+    answers (same scope, same served model name). The pool talks only over NATS: no Service."""
+    from pdserve.draftpool.server import served_name
+    from pdserve.kvtransfer.protocol import Subjects
+
+    children = desired_children(isvc({"speculation": DRAFT_POOL_SPEC}), CFG)
+    kinds = by_kind_name(children)
+    assert {k for k in kinds if k[1] == "llama-draftpool"} == {
+        ("Deployment", "llama-draftpool"), ("HorizontalPodAutoscaler", "llama-draftpool"),
+        ("PodDisruptionBudget", "llama-draftpool")}
+    assert not [k for k in kinds if k[0] == "Service" and "draft" in k[1]]
+    pool, d = parsed(children, "draftpool"), parsed(children, "decode")
+    assert (pool.min_n, pool.max_n, pool.max_tokens, pool.share_tenants, pool.max_queue) == (3, 8, 100000, True, 64)
+    assert (pool.isvc, pool.pool, pool.metrics_port, pool.pod_name) == ("llama", "draftpool", 9100, "llama-pod-abcde")
+    assert (pool.nats.url, pool.nats.user, pool.nats.password.get_secret_value()) == (
+        "nats://pdserve-nats.sys:4222", "llama-nats/user", "llama-nats/password")
+    assert (d.spec.method, d.spec.draft_pool, d.spec.draft_pool_timeout) == ("ngram", True, 0.01)
+    assert pool.deployment_scope == d.deployment_scope == "ml.llama"
+    assert Subjects.draft(pool.deployment_scope, served_name(pool)) == Subjects.draft(d.deployment_scope,
+                                                                                      d.served_model_name)
+
+    dep = kinds[("Deployment", "llama-draftpool")]
+    assert dep["spec"]["replicas"] == 2  # the HPA's minimum; the HPA owns it from there
+    pod = dep["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    assert c["command"] == ["pdserve", "draftpool"]
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9100, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert c["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"}}
+    assert pod["spec"]["nodeSelector"] == {"pool": "cpu"}
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9100"
+    # it reads no weights: no model volume (nor its copy from an image), no /dev/shm
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["tmp"] and "initContainers" not in pod["spec"]
+    hpa = kinds[("HorizontalPodAutoscaler", "llama-draftpool")]["spec"]
+    assert hpa["scaleTargetRef"]["name"] == "llama-draftpool" and (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 5)
+    assert hpa["metrics"] == [{"type": "Pods", "pods": {"metric": {"name": "pdserve_draftpool_requests_per_second"},
+                                                        "target": {"type": "AverageValue", "averageValue": "1500"}}}]
+    workers = kinds[("NetworkPolicy", "llama-workers")]["spec"]["podSelector"]
+    assert _selects(workers, pod["metadata"]["labels"]), "its metrics port gets the workers' policy"
+
+    # a model from an image: the other pools copy it, the pool still does not
+    image = by_kind_name(desired_children(isvc({"model": {"path": "m", "image": "reg/models:1"},
+                                                "speculation": {"draftPool": {}}}), CFG))
+    assert "initContainers" not in image[("Deployment", "llama-draftpool")]["spec"]["template"]["spec"]
+    assert "initContainers" in image[("Deployment", "llama-decode")]["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("speculation", [{}, {"draftPool": {"enabled": False, "maxQueue": 8}}])
+def test_no_draft_pool_unless_asked(speculation):
+    children = desired_children(isvc({"speculation": speculation}), CFG)
+    assert not [k for k in by_kind_name(children) if "draftpool" in k[1]]
+    assert parsed(children, "decode").spec.draft_pool is False
+
+
+def test_a_draft_pool_without_autoscaling_and_its_status():
+    body = isvc({"speculation": {"draftPool": {"replicas": 3, "autoscaling": {"enabled": False}}}})
+    kinds = by_kind_name(desired_children(body, CFG))
+    assert ("HorizontalPodAutoscaler", "llama-draftpool") not in kinds
+    assert kinds[("Deployment", "llama-draftpool")]["spec"]["replicas"] == 3
+    assert ("PodDisruptionBudget", "llama-draftpool") in kinds
+    ready = {"prefill": _dep(1, 1), "decode": _dep(1, 1), "front": _dep(1, 1)}
+    st = compute_status(body, {**ready, "draftpool": _dep(3, 1)}, [], "T0")
+    assert st["draftpool"] == {"desiredReplicas": 3, "readyReplicas": 1, "replicas": "1/3"}
+    assert st["ready"] == "False" and "draftpool: 1/3 ready" in st["conditions"][0]["message"]
+    assert compute_status(body, {**ready, "draftpool": _dep(3, 3)}, [], "T1")["ready"] == "True"
+    assert "draftpool" not in compute_status(isvc(), ready, [], "T2")

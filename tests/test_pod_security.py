@@ -122,10 +122,14 @@ OPERATOR_CASES = {
                              "prefill": {"gpus": 1}},
                             OperatorConfig(nats_users=False, nats_credentials={"user": "u", "password": "p"},
                                            nats_tls_ca="-----BEGIN CERTIFICATE-----")),
+    "draft-pool-tls": ({"model": {"path": "m", "image": "registry/models:1"}, "speculation": {"draftPool": {}}},
+                       OperatorConfig(nats_users=False, nats_credentials={"user": "u", "password": "p"},
+                                      nats_tls_ca="-----BEGIN CERTIFICATE-----")),
 }
 
 
 def _operator_pods() -> list[tuple[str, dict]]:
+    """Every pod template the operator renders in OPERATOR_CASES: each pool, the draft pool included."""
     out = []
     for case, (spec, cfg) in OPERATOR_CASES.items():
         for child in desired_children(_isvc(spec), cfg):
@@ -133,6 +137,11 @@ def _operator_pods() -> list[tuple[str, dict]]:
                 t = child["spec"]["template"]
                 out.append((f"{case}/{child['metadata']['name']}", {**t["spec"], "metadata": t["metadata"]}))
     return out
+
+
+def test_every_pool_is_checked():
+    assert {n.split("/")[1] for n, _ in _operator_pods()} == {"llama-prefill", "llama-decode", "llama-front",
+                                                              "llama-draftpool"}
 
 
 @pytest.mark.parametrize("name,pod", _operator_pods(), ids=lambda x: x if isinstance(x, str) else "")

@@ -28,7 +28,7 @@ from pdserve.config import DraftPoolConfig, load
 from pdserve.draftpool.index import SuffixIndex
 from pdserve.kvtransfer.protocol import DraftReply, DraftReport, DraftRequest, LoadReport, ProtocolError, Subjects
 from pdserve.natsserver import NatsCredentials, close_connection
-from pdserve.workerbase import heartbeat
+from pdserve.workerbase import heartbeat, setup_logging
 
 log = logging.getLogger("pdserve.draftpool")
 
@@ -62,7 +62,8 @@ class DraftPool:
         self.arrived = asyncio.Event()  # set when a request is queued
         self.indexed = asyncio.Event()  # set when a report joined the index
         self._subs: list = []
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._nc = None
         r = registry or CollectorRegistry()
         self.registry = r
         self.m_requests = Counter("pdserve_draftpool_requests_total", "draft requests", ["outcome"], registry=r)
@@ -76,19 +77,31 @@ class DraftPool:
               ).set_function(lambda: self.waiting)
 
     async def start(self, nc, *, serve: bool = True) -> None:
-        """Subscribe on `nc`; with `serve`, answer in passes as requests arrive (without, call `serve_once`)."""
+        """Subscribe on `nc`; with `serve`, answer in passes as requests arrive and beat LoadReports (without,
+        call `serve_once`)."""
+        self._nc = nc
         self._subs = [await nc.subscribe(self.subject, queue="draftpool", cb=self._on_request),
                       await nc.subscribe(Subjects.draft_report(self.cfg.deployment_scope, served_name(self.cfg)),
                                          cb=self._on_report)]
         if serve:
-            self._task = asyncio.create_task(self._serve())
+            load = Subjects.load(self.cfg.deployment_scope, ROLE, self.worker_id)
+            self._tasks = [asyncio.create_task(self._serve()),
+                           asyncio.create_task(heartbeat(nc, load, self.load_report))]
         log.info("draft pool answering on %s", self.subject)
 
     async def close(self) -> None:
+        """Stop answering; say `bye`, so the metrics adapter forgets this replica at once rather than once
+        its reports go stale."""
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            try:
+                await self._nc.publish(Subjects.bye(self.cfg.deployment_scope, ROLE, self.worker_id),
+                                       self.load_report().encode())
+            except Exception as e:  # NATS gone: nobody is reading
+                log.info("bye not delivered: %s", e)
         for sub in self._subs:
             await sub.unsubscribe()
-        if self._task:
-            self._task.cancel()
 
     async def _on_report(self, msg) -> None:
         try:
@@ -174,25 +187,16 @@ async def serve(cfg: DraftPoolConfig) -> None:
     await pool.start(nc)
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, registry=pool.registry)
-    beat = asyncio.create_task(heartbeat(nc, Subjects.load(cfg.deployment_scope, ROLE, pool.worker_id),
-                                         pool.load_report))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    beat.cancel()
-    try:  # the metrics adapter forgets this replica at once rather than after its reports go stale
-        await nc.publish(Subjects.bye(cfg.deployment_scope, ROLE, pool.worker_id), pool.load_report().encode())
-    except Exception as e:  # NATS gone: nobody is reading
-        log.info("bye not delivered: %s", e)
     await pool.close()
     await close_connection(nc)
 
 
 def main(argv: list[str]) -> int:
-    from pdserve.workerbase import setup_logging
-
     cfg = load(DraftPoolConfig, argv, prog="pdserve draftpool", description=__doc__.strip().split("\n")[0])
     setup_logging(cfg.log_level)
     asyncio.run(serve(cfg))
