@@ -106,11 +106,12 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
     ns, name = k8s_namespace, "llama"
 
     with run_operator() as runner:
-        kube.create(isvc(name, ns, decode={"gpus": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}}))
+        kube.create(isvc(name, ns, decode={"gpus": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}},
+                         speculation={"draftPool": {"autoscaling": {"maxReplicas": 5}, "suffixIndex": {"minN": 3}}}))
         deps = {p: wait_for(lambda p=p: kube.get("apps/v1", "Deployment", ns, f"{name}-{p}"), f"{p} Deployment")
-                for p in ("prefill", "decode", "front")}
+                for p in ("prefill", "decode", "front", "draftpool")}
         # The PDBs are applied last: once they exist, every child does.
-        wait_for(lambda: kube.get("policy/v1beta1", "PodDisruptionBudget", ns, f"{name}-decode"), "decode PDB")
+        wait_for(lambda: kube.get("policy/v1beta1", "PodDisruptionBudget", ns, f"{name}-draftpool"), "draftpool PDB")
         owner = get_isvc(kube, ns, name)
         uid = owner["metadata"]["uid"]
         children = [*deps.values(),
@@ -119,7 +120,7 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
                     kube.get("networking.k8s.io/v1", "NetworkPolicy", ns, f"{name}-workers"),
                     kube.get("networking.k8s.io/v1", "NetworkPolicy", ns, f"{name}-front")]
         # The test server is v1.20: discovery must have picked autoscaling/v2beta2 and policy/v1beta1.
-        for pool in ("prefill", "decode"):
+        for pool in ("prefill", "decode", "draftpool"):
             children.append(kube.get("autoscaling/v2beta2", "HorizontalPodAutoscaler", ns, f"{name}-{pool}"))
             children.append(kube.get("policy/v1beta1", "PodDisruptionBudget", ns, f"{name}-{pool}"))
         for c in children:
@@ -136,13 +137,21 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
         hpa = kube.get("autoscaling/v2beta2", "HorizontalPodAutoscaler", ns, f"{name}-decode")
         assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "pdserve_decode_kv_utilization"
         assert hpa["spec"]["maxReplicas"] == 3
+        # the draft pool: its own HPA and metric, `pdserve draftpool` with the spec's settings, decode asking it
+        hpa = kube.get("autoscaling/v2beta2", "HorizontalPodAutoscaler", ns, f"{name}-draftpool")
+        assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "pdserve_draftpool_requests_per_second"
+        assert (hpa["spec"]["scaleTargetRef"]["name"], hpa["spec"]["maxReplicas"]) == (f"{name}-draftpool", 5)
+        pool = deps["draftpool"]["spec"]["template"]["spec"]["containers"][0]
+        assert pool["command"] == ["pdserve", "draftpool"] and pool["args"][pool["args"].index("--min-n") + 1] == "3"
+        assert "--draft-pool" in dec["args"]
+        assert "draftpool" in netpol["podSelector"]["matchExpressions"][0]["values"]  # its metrics port: the workers'
 
         # Nothing is ready yet: pods exist (ReplicaSet controller) but stay Pending.
         st = wait_for(lambda: (get_isvc(kube, ns, name).get("status") or {}).get("decode"), "status.decode")
         assert st["readyReplicas"] == 0
         assert get_isvc(kube, ns, name)["status"]["ready"] == "False"
 
-        for pool in ("prefill", "decode", "front"):
+        for pool in ("prefill", "decode", "front", "draftpool"):
             wait_for(lambda pool=pool: mark_pods_ready(kube, ns, pool) >= 1, f"{pool} pods")
 
         def ready():
@@ -150,6 +159,7 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
             return s.get("ready") == "True" and s
         st = wait_for(ready, "InferenceService Ready=True")
         assert st["prefill"]["replicas"] == "1/1" and st["decode"]["replicas"] == "1/1"
+        assert st["draftpool"]["replicas"] == "1/1"
         assert st["endpoint"] == f"http://{name}.{ns}.svc.cluster.local:8000"
         assert st["observedGeneration"] == get_isvc(kube, ns, name)["metadata"]["generation"]
         # What an admin sees: the printer columns.
@@ -165,10 +175,11 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
         wait_for(lambda: (kube.get("apps/v1", "Deployment", ns, f"{name}-prefill") or {"metadata": {"uid": old_uid}})
                  ["metadata"]["uid"] != old_uid, "prefill Deployment recreated")
 
-        # A spec change rolls the pools: new GPU count, HPA bounds, decode autoscaling off.
+        # A spec change rolls the pools: new GPU count, HPA bounds, decode autoscaling off, the draft pool off.
         kube.merge_patch(API, "InferenceService", ns, name, {"spec": {
             "prefill": {"gpus": 4, "autoscaling": {"maxReplicas": 6}},
-            "decode": {"replicas": 2, "autoscaling": {"enabled": False}}}})
+            "decode": {"replicas": 2, "autoscaling": {"enabled": False}},
+            "speculation": {"draftPool": {"enabled": False}}}})
         wait_for(lambda: kube.get("apps/v1", "Deployment", ns, f"{name}-prefill")["spec"]["template"]["spec"]
                  ["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4", "prefill GPUs 4")
         wait_for(lambda: kube.get("autoscaling/v2beta2", "HorizontalPodAutoscaler", ns,
@@ -178,6 +189,11 @@ def test_lifecycle_children_status_update_restart_delete(kube, operator_env, k8s
         wait_for(lambda: kube.get("apps/v1", "Deployment", ns, f"{name}-decode")["spec"]["replicas"] == 2,
                  "decode replicas 2")
         wait_for(lambda: get_isvc(kube, ns, name)["status"]["decode"]["desiredReplicas"] == 2, "status desired 2")
+        wait_for(lambda: all(kube.get(api, kind, ns, f"{name}-draftpool") is None for api, kind in (
+            ("apps/v1", "Deployment"), ("autoscaling/v2beta2", "HorizontalPodAutoscaler"),
+            ("policy/v1beta1", "PodDisruptionBudget"))), "the draft pool's children removed")
+        assert "--draft-pool" not in kube.get("apps/v1", "Deployment", ns, f"{name}-decode")["spec"]["template"][
+            "spec"]["containers"][0]["args"]
     assert runner.exception is None
 
     # Operator down: the spec changes anyway; a restarted operator converges.
@@ -213,6 +229,7 @@ def _kubectl_apply(k8s_tool, k8s_cluster, obj: dict):
     ({"kvTransfer": {"compression": "zstd"}}, 'spec.kvTransfer.compression: Unsupported value: "zstd"'),
     ({"decode": {"gpus": -1}}, "spec.decode.gpus: Invalid value: -1"),
     ({"model": {"pvc": "models"}}, "spec.model.path: Required value"),
+    ({"speculation": {"draftPool": {"drafter": "model"}}}, 'spec.speculation.draftPool.drafter: Unsupported value'),
 ])
 def test_schema_refuses_invalid_objects(kube, k8s_namespace, spec, message):
     body = isvc("bad", k8s_namespace)
@@ -308,6 +325,8 @@ def test_webhook_refuses_cross_field_mistakes_and_reconciler_reports_bypass(
                  "spec.decode.resources.limits.nvidia.com/gpu is set; a pool's GPUs come from spec.decode.gpus"),
                 ({"prefill": {"gpus": 0, "resources": {"requests": {"nvidia.com/gpu": 1}}}},
                  "spec.prefill.resources.requests.nvidia.com/gpu is set"),
+                ({"speculation": {"method": "none", "draftPool": {}}},
+                 "spec.speculation.draftPool is set but spec.speculation.method is 'none'"),
             ]
             for spec, message in cases:
                 with pytest.raises(client.ApiException) as err:
