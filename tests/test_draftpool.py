@@ -229,9 +229,9 @@ AGENT = [{"role": "system", "content": "You call tools by answering with JSON on
          {"role": "user", "content": "And in Lyon? Answer with the tool call JSON."}]
 
 
-def _complete(url, messages, tenant=None, spec=True, text=False):
+def _complete(url, messages, tenant=None, spec=True, text=False, **sampling):
     body = {"model": MODEL, "messages": messages, "max_tokens": 40, "temperature": 0, "return_token_ids": True,
-            "speculation": {"enabled": spec, **({"tenant": tenant} if tenant else {})}}
+            "speculation": {"enabled": spec, **({"tenant": tenant} if tenant else {})}, **sampling}
     req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
@@ -248,7 +248,7 @@ def _metric(port: int, name: str) -> float:
 
 
 @pytest.mark.model
-def test_decode_with_the_pool_equals_plain_greedy_and_survives_its_death(nats_server, model_dir):
+def test_decode_with_the_pool_equals_plain_greedy_and_seeded_sampling_and_survives_its_death(nats_server, model_dir):
     from pdserve.local import LocalCluster
     from pdserve.natsserver import free_port
 
@@ -281,6 +281,15 @@ def test_decode_with_the_pool_equals_plain_greedy_and_survives_its_death(nats_se
         assert second == plain
         assert _metric(port, "pdserve_draftpool_draft_tokens_total") > 0
         assert usage["speculation"]["accepted_tokens"] > 0
+
+        # seeded sampling through the pool picks the very tokens plain seeded sampling picks
+        seeded = dict(temperature=0.8, top_p=0.95, top_k=40, seed=7)
+        drafted = _metric(port, "pdserve_draftpool_draft_tokens_total")
+        plain_sampled, _ = _complete(c.url, AGENT, spec=False, **seeded)
+        pool_sampled, usage = _complete(c.url, AGENT, tenant="acme", **seeded)
+        assert pool_sampled == plain_sampled
+        assert _metric(port, "pdserve_draftpool_draft_tokens_total") > drafted  # the pool drafted for it
+        assert usage["speculation"]["draft_tokens"] > 0
 
         # the pool dies in the middle of a streamed request: it completes, and so do the next ones
         body = {"model": MODEL, "messages": AGENT, "max_tokens": 40, "temperature": 0, "stream": True,
