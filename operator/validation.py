@@ -156,17 +156,8 @@ def validate_spec(spec: dict[str, Any]) -> list[str]:
                       f".max ({ratio['max']})")
 
     for name, pool in pools.items():
-        res = pool.get("resources") or {}
-        for section in ("limits", "requests"):
-            if "nvidia.com/gpu" in (res.get(section) or {}):
-                errors.append(f"spec.{name}.resources.{section}.nvidia.com/gpu is set; a pool's GPUs come from "
-                              f"spec.{name}.gpus (now {pool.get('gpus')}): remove it from resources and set gpus")
-            cpu = (res.get(section) or {}).get("cpu")
-            if cpu is not None:
-                try:
-                    cpu_cores(cpu)
-                except ValueError as e:
-                    errors.append(f"spec.{name}.resources.{section}.cpu: {e}")
+        errors += _resource_errors(f"spec.{name}", pool, f"a pool's GPUs come from spec.{name}.gpus (now "
+                                                         f"{pool.get('gpus')}): remove it from resources and set gpus")
 
     if pkv.get("dtype") == "auto" and bool(pools["prefill"].get("gpus")) != bool(pools["decode"].get("gpus")):
         errors.append("spec.prefill.kv.dtype and spec.decode.kv.dtype are 'auto' but only one pool has GPUs: auto "
@@ -201,17 +192,23 @@ def _draft_pool_errors(dp: dict, method: str) -> list[str]:
         errors.append(f"spec.speculation.draftPool.suffixIndex.minN ({min_n}) is greater than .maxN ({max_n}"
                       f"{'' if 'maxN' in index else ', its default'}); a draft follows a context suffix of minN to "
                       "maxN tokens")
-    res = dp.get("resources") or {}
+    return errors + _resource_errors("spec.speculation.draftPool", dp,
+                                     f"the {dp.get('drafter', 'suffix')} drafter runs on the CPU: remove it")
+
+
+def _resource_errors(where: str, pool: dict, gpu_fix: str) -> list[str]:
+    """A pool's resources (at `where`) naming nvidia.com/gpu (`gpu_fix` says what to do instead), or a CPU
+    quantity that is none, as messages."""
+    errors = []
     for section in ("limits", "requests"):
-        if "nvidia.com/gpu" in (res.get(section) or {}):
-            errors.append(f"spec.speculation.draftPool.resources.{section}.nvidia.com/gpu is set; the "
-                          f"{dp.get('drafter', 'suffix')} drafter runs on the CPU: remove it")
-        cpu = (res.get(section) or {}).get("cpu")
-        if cpu is not None:
+        given = (pool.get("resources") or {}).get(section) or {}
+        if "nvidia.com/gpu" in given:
+            errors.append(f"{where}.resources.{section}.nvidia.com/gpu is set; {gpu_fix}")
+        if given.get("cpu") is not None:
             try:
-                cpu_cores(cpu)
+                cpu_cores(given["cpu"])
             except ValueError as e:
-                errors.append(f"spec.speculation.draftPool.resources.{section}.cpu: {e}")
+                errors.append(f"{where}.resources.{section}.cpu: {e}")
     return errors
 
 
