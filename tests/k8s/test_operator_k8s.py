@@ -48,7 +48,8 @@ def kube(k8s_api_client):
         return {name: fields(sub) for name, sub in (schema.get("properties") or {}).items()}
 
     def published():  # kubectl validates against the server's OpenAPI, which follows Established by a while
-        served = (k.request("GET", "/openapi/v2").get("definitions") or {}).get(f"io.pdserve.v1alpha1.{crd['spec']['names']['kind']}")
+        definitions = k.request("GET", "/openapi/v2").get("definitions") or {}
+        served = definitions.get(f"io.pdserve.v1alpha1.{crd['spec']['names']['kind']}")
         ours = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
         return served and fields(served["properties"].get("spec") or {}) == fields(ours)
     wait_for(published, "this version's CRD schema in the server's OpenAPI")
