@@ -170,6 +170,20 @@ def test_pool_answers_concurrent_asks_in_one_batch(nats_server):
     asyncio.run(main())
 
 
+def test_the_pools_asks_per_second_cover_the_last_ten_seconds():
+    """The rate the pool's heartbeat reports (its HPA's metric), at one beat a second."""
+    pool = DraftPool(pool_config())
+    assert pool.asks_per_second(now=100.0) == 0.0  # no history yet
+    for t in range(101, 131):  # 20 asks a second for 30 s
+        pool.asked += 20
+        rate = pool.asks_per_second(now=float(t))
+    assert rate == 20.0
+    assert pool.asks_per_second(now=135.0) == 10.0  # silent for 5 of the last 10 s
+    assert pool.asks_per_second(now=141.0) == 0.0
+    report = pool.load_report()
+    assert (report.role, report.requests_per_second, report.queue_depth) == ("draft", 0.0, 0)
+
+
 def test_a_gone_or_silent_pool_costs_one_deadline_then_nothing(nats_server):
     """No pool: local drafts at once (no responders), and the pool is left alone for a back-off. A pool
     that never answers: one ask waits the deadline, then the back-off skips it."""
