@@ -272,9 +272,12 @@ class Front:
             raise RequestFailed(400, f"stop_token_ids: {bad[:5]} outside the vocabulary (0..{self.vocab_size - 1})",
                                 "invalid_request_error", code="stop_token_ids")
         fmt = req.response_format.type if req.response_format else "text"
+        # -1 and 0 are off, and so is a k past the vocabulary (it keeps every token; as a number it would
+        # not fit the workers' int32 sampling tensors)
+        top_k = req.top_k if 0 < req.top_k < self.vocab_size else 0
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
+                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
                 min_p=req.min_p, seed=req.seed, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
                 ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, repetition_penalty=req.repetition_penalty,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, n=req.n,
