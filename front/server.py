@@ -35,6 +35,7 @@ from pdserve.basetypes import SamplingParams
 from pdserve.config import FrontConfig, load
 from pdserve.front.openai_schema import ChatCompletionRequest, CompletionRequest, asked_logprobs, ignored_fields
 from pdserve.front.openapi import IGNORED_FIELDS_HEADER, openapi_document
+from pdserve.introspect import register_runtime_metrics
 from pdserve.front.responses import TokenTexts, chat_logprobs, completion_logprobs
 from pdserve.kvtransfer.protocol import (
     Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects, TokenLogprob,
@@ -155,6 +156,7 @@ class Front:
         return app
 
     async def _startup(self, app) -> None:
+        register_runtime_metrics(self.metrics, asyncio.get_running_loop(), lambda: self.nc)
         self.nc = await self.creds.connect(name="pdserve-front", max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         await self.registry.attach(self.nc)
 

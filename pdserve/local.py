@@ -159,10 +159,12 @@ class LocalCluster:
             # each child's flags rendered from its own settings model, as the operator renders a pod's
             for i in range(self.n_prefill):
                 cfg = PrefillConfig(model=model_dir, worker_id=f"prefill-{i}", drain_timeout=self.drain_timeout)
-                self.spawn(f"prefill-{i}", "prefill", *to_args(cfg), *self.worker_args.get("prefill", []))
+                self.spawn(f"prefill-{i}", "prefill", *to_args(cfg), *self.worker_args.get("prefill", []),
+                           *self.worker_args.get(f"prefill-{i}", []))
             for i in range(self.n_decode):
                 cfg = DecodeConfig(model=model_dir, worker_id=f"decode-{i}", drain_timeout=self.drain_timeout)
-                self.spawn(f"decode-{i}", "decode", *to_args(cfg), *self.worker_args.get("decode", []))
+                self.spawn(f"decode-{i}", "decode", *to_args(cfg), *self.worker_args.get("decode", []),
+                           *self.worker_args.get(f"decode-{i}", []))
             cfg = FrontConfig(model=model_dir, port=self.port, drain_timeout=self.drain_timeout)
             self.spawn("front", "front", *to_args(cfg), *self.worker_args.get("front", []))
             self.wait_ready(timeout)
