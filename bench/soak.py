@@ -57,7 +57,7 @@ PROMPTS = {
     # a long one: several prefill chunks, a KV transfer of megabytes
     "long": "Summarise the following inventory.\n" + "".join(
         f"Item {i}: a crate of {i * 7 % 23 + 1} brass fittings, stored on shelf {i % 9}, checked on day {i % 28 + 1}.\n"
-        for i in range(60)),
+        for i in range(24)),
 }
 CONVERSATIONS = {
     "travel": ["I am planning a trip to Lisbon.", "What should I pack?", "And which neighbourhood should I stay in?"],
