@@ -394,7 +394,7 @@ class Soak:
 
     def inject(self, kind: str) -> float:
         """Inject one fault of `kind` and wait for the deployment to have recovered from it → seconds from
-        injection to recovery (every worker registered and ready again)."""
+        injection (a KV fault: the transfer it hit) to recovery (every worker registered and ready again)."""
         c = self.cluster
         t0 = time.monotonic()
         if kind in ("sigkill", "sigterm"):
@@ -428,6 +428,7 @@ class Soak:
                 proxy.disarm()
                 self.log(f"soak: {kind} on {name}'s data path did not fire within 60 s (no TCP transfer to it)")
                 return float("nan")
+            t0 = time.monotonic()  # from the transfer it hit, not from the wait for one
             c.wait_ready(60)
             what = name
         took = time.monotonic() - t0
