@@ -91,6 +91,9 @@ def log_reason(text: str) -> str:
 class LocalCluster:
     """NATS + N prefill + M decode workers + one front, as child processes of this one.
 
+    `worker_args` maps a role ("prefill", "decode", "front") or one worker's name ("decode-1") to extra flags
+    of its command line; a worker's own come after its role's, so they win.
+
     Children get the parent-death signal when started from the main thread, and are listed in a
     state file that the next cluster's start sweeps if this process vanishes without stopping them.
     """
