@@ -35,6 +35,15 @@ COPY --from=sources /src /src
 RUN python -m venv /tmp/venv \
  && PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 /tmp/venv/bin/pip wheel --no-deps -w /wheels /src
 
+# What each image installs, from pyproject.toml: its dependencies and its `k8s` extra (where it has
+# one); the operator only those of the distributions named in [tool.pdserve] operator-image (kopf and
+# the Kubernetes client): no torch, no CUDA stack. A stage of its own, because a COPY is cached by its
+# content: the dependency layers below are rebuilt when these lists change, not when pyproject.toml's
+# test settings or development tools do.
+FROM ${BASE} AS requirements
+COPY pyproject.toml /tmp/pyproject.toml
+RUN mkdir /requirements && python -c 'import re, tomllib; t = tomllib.load(open("/tmp/pyproject.toml", "rb")); p = t["project"]; deps = p["dependencies"] + p.get("optional-dependencies", {}).get("k8s", []); keep = set(t["tool"]["pdserve"]["operator-image"]); open("/requirements/workers.txt", "w").write("\n".join(deps) + "\n"); open("/requirements/operator.txt", "w").write("\n".join(d for d in deps if re.split(r"[<>=!~ \[;]", d)[0] in keep) + "\n")'
+
 FROM ${BASE} AS runtime
 ENV PATH=/opt/pdserve/bin:$PATH \
     PYTHONUNBUFFERED=1 \
@@ -45,20 +54,16 @@ RUN groupadd --gid 10001 pdserve \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pdserve \
  && mkdir -p /models && chown 10001:10001 /models
 
-# The operator installs only the project's requirements (its dependencies and its `k8s` extra, where
-# an extra holds them) for the distributions named in [tool.pdserve] operator-image (kopf and the
-# Kubernetes client): no torch, no CUDA stack.
+# The slim operator image (see the requirements stage).
 FROM runtime AS operator
 ARG PIP_CONSTRAINT
 ARG PIP_FIND_LINKS
 ARG PIP_EXTRA_INDEX_URL
 ARG PIP_CERT
-# copied from the build context, which layer caches key by content
-COPY pyproject.toml /tmp/pyproject.toml
+COPY --from=requirements /requirements/operator.txt /tmp/requirements.txt
 RUN python -m venv /opt/pdserve \
- && python -c 'import re, tomllib; p = tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]; keep = set(tomllib.load(open("/tmp/pyproject.toml", "rb"))["tool"]["pdserve"]["operator-image"]); print("\n".join(d for d in p["dependencies"] + p.get("optional-dependencies", {}).get("k8s", []) if re.split(r"[<>=!~ \[;]", d)[0] in keep))' > /tmp/requirements.txt \
  && PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 /opt/pdserve/bin/pip install -r /tmp/requirements.txt \
- && rm /tmp/pyproject.toml /tmp/requirements.txt
+ && rm /tmp/requirements.txt
 COPY --from=wheel /wheels /wheels
 RUN PIP_DISABLE_PIP_VERSION_CHECK=1 /opt/pdserve/bin/pip install --no-deps --no-index /wheels/*.whl \
  && /opt/pdserve/bin/python -c 'import sys, pdserve.operator.handlers; heavy = {"torch", "triton", "transformers", "numpy"} & set(sys.modules); sys.exit(f"operator imports {heavy}" if heavy else 0)'
@@ -73,13 +78,12 @@ ARG PIP_CONSTRAINT
 ARG PIP_FIND_LINKS
 ARG PIP_EXTRA_INDEX_URL
 ARG PIP_CERT
-COPY pyproject.toml /tmp/pyproject.toml
 # PyPI's Linux torch wheel carries CUDA; the GPU comes from the node's driver (NVIDIA device plugin).
-# The `k8s` extra too, where pyproject.toml has one: the metrics adapter runs from this image.
+# The `k8s` extra too: the metrics adapter runs from this image.
+COPY --from=requirements /requirements/workers.txt /tmp/requirements.txt
 RUN python -m venv /opt/pdserve \
- && python -c 'import tomllib; p = tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p.get("optional-dependencies", {}).get("k8s", [])))' > /tmp/requirements.txt \
  && PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 /opt/pdserve/bin/pip install -r /tmp/requirements.txt \
- && rm /tmp/pyproject.toml /tmp/requirements.txt
+ && rm /tmp/requirements.txt
 COPY --from=wheel /wheels /wheels
 RUN PIP_DISABLE_PIP_VERSION_CHECK=1 /opt/pdserve/bin/pip install --no-deps --no-index /wheels/*.whl
 USER 10001:10001

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,8 +129,10 @@ class Builder:
         """Empty buildah's store when what the dependency layers are made of changed: every layer
         is rebuilt then anyway, and the store keeps one generation instead of growing by
         gigabytes per change. Source changes within a generation add small layers only."""
-        epoch = _digest(RECIPE, (REPO / "Dockerfile").read_text(), (REPO / "pyproject.toml").read_text(),
-                        _constraints(), *_pip_settings()[0])
+        # the dependency lists, not all of pyproject.toml: its test settings and development tools
+        # reach no image (the Dockerfile's requirements stage keeps them out of the layers too)
+        epoch = _digest(RECIPE, (REPO / "Dockerfile").read_text(), *_image_requirements(), _constraints(),
+                        *_pip_settings()[0])
         marker = self.cache / "buildah.epoch"
         if marker.is_file() and marker.read_text() == epoch:
             return
@@ -267,12 +270,55 @@ def _debian_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
+def _image_requirements() -> list[str]:
+    """What the images install, as the Dockerfile's requirements stage reads pyproject.toml: the
+    dependencies and the `k8s` extra, then the operator image's distribution names."""
+    t = tomllib.loads((REPO / "pyproject.toml").read_text())
+    p = t["project"]
+    return [*p["dependencies"], *p.get("optional-dependencies", {}).get("k8s", []),
+            "operator-image:", *t["tool"]["pdserve"]["operator-image"]]
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _installed_closure(requirements: list[str]) -> set[str]:
+    """Canonical names of the distributions `requirements` install, with everything they require
+    in turn, as installed in the running environment (extras followed, markers evaluated here)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    todo, seen, names = list(requirements), set(), set()
+    while todo:
+        try:
+            req = Requirement(todo.pop())
+        except InvalidRequirement:
+            continue
+        key = (_canonical(req.name), frozenset(req.extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        names.add(key[0])
+        try:
+            requires = importlib.metadata.distribution(req.name).requires or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for spec in requires:
+            sub = Requirement(spec)
+            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in {"", *req.extras}):
+                todo.append(spec)
+    return names
+
+
 def _constraints() -> str:
-    """The running environment's distributions as `name==version` (torch pinned to its CPU build)."""
+    """The running environment's versions (torch pinned to its CPU build) of the distributions the
+    images install: dependencies of the images only, so that installing a test tool here changes
+    no image."""
+    wanted = _installed_closure([r for r in _image_requirements() if not r.endswith(":")])
     pins = {}
     for d in importlib.metadata.distributions():
         name = (d.metadata["Name"] or "").lower()
-        if name and name.replace("_", "-") not in UNPINNED:
+        if name and _canonical(name) in wanted and _canonical(name) not in UNPINNED:
             pins[name] = d.version
     return "".join(f"{n}=={v}\n" for n, v in sorted(pins.items()))
 

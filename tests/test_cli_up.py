@@ -275,11 +275,12 @@ MOMENTS = {
 
 @pytest.mark.model
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", list(MOMENTS))
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+# Ctrl-C once serving is test_pdserve_up_demo_answers_and_ctrl_c_stops_everything's case.
+@pytest.mark.parametrize("sig,moment", [
+    pytest.param(sig, moment, id=f"{moment}-{sig.name}")
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL) for moment in MOMENTS
+    if (sig, moment) != (signal.SIGINT, "after-ready")])
 def test_a_stop_signal_at_any_moment_leaves_no_process_and_no_port(model_dir, tag, sig, moment):
-    if sig == signal.SIGINT and moment == "after-ready":
-        pytest.skip("Ctrl-C once serving: test_pdserve_up_demo_answers_and_ctrl_c_stops_everything")
     port = free_port()
     up = Up("--port", str(port), tag=tag)
     ports = [port]

@@ -80,3 +80,23 @@ def _closure(names: set[str]) -> set[str]:
             continue
         todo += [_canonical(_name(r)) for r in reqs if "extra ==" not in r]
     return seen
+
+
+def test_the_requirements_stage_writes_each_images_requirements(tmp_path):
+    """The Dockerfile's requirements stage, run here on the repository's pyproject.toml: the workers
+    get the dependencies and the `k8s` extra, the operator those of its distributions only."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    stage = dockerfile.split("AS requirements\n", 1)[1].split("\nFROM ", 1)[0]
+    program = re.search(r"python -c '(.*)'$", stage, re.M).group(1)
+    program = program.replace("/tmp/pyproject.toml", str(REPO / "pyproject.toml")).replace(
+        "/requirements/", f"{tmp_path}/")
+    subprocess.run([sys.executable, "-c", program], check=True)
+    p = _pyproject()
+    wanted = _image_requirements(p)
+    assert (tmp_path / "workers.txt").read_text().splitlines() == wanted
+    operator = set(p["tool"]["pdserve"]["operator-image"])
+    got = (tmp_path / "operator.txt").read_text().splitlines()
+    assert got == [d for d in wanted if _name(d) in operator] and {_name(d) for d in got} == operator
+    # the dependency layers take these files, never pyproject.toml itself
+    after = dockerfile.split("AS requirements\n", 1)[1].split("\nFROM ", 1)[1]
+    assert "COPY pyproject.toml" not in after and "COPY --from=requirements" in after
