@@ -125,7 +125,7 @@ class DecodeWorker(WorkerBase):
     def __init__(self, args: DecodeConfig):
         super().__init__(args)
         self.receiver = KVReceiver(self.runner.layout, host=args.data_host, port=args.data_port,
-                                   advertise_host=args.advertise_host, stall_timeout=args.kv.timeout,
+                                   advertise_host=args.advertise_host, advertise_port=args.advertise_port, stall_timeout=args.kv.timeout,
                                    shm_pool_bytes=args.kv.shm_pool_bytes, keep_idle_s=args.kv.keep_idle_s,
                                    max_kept=args.kv.max_kept)
         self.transfer_timeout = args.kv.timeout

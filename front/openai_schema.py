@@ -23,9 +23,10 @@ MAX_TOKENS_LIMIT = 1 << 20  # anything above is absurd whatever the model; the c
 
 
 class Lenient(BaseModel):
-    """A request part whose unknown fields are kept aside (`model_extra`) and ignored."""
+    """A request part whose unknown fields are kept aside (`model_extra`) and ignored. Known fields take their
+    JSON type only (strict): `true` is no penalty and `"5"` no token count (an int is still a float)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(Lenient):

@@ -24,6 +24,14 @@ def _errors(*codes: int) -> dict:
             for c in codes}
 
 
+def _sse_event(description: str) -> dict:
+    # Before OpenAPI 3.2's `itemSchema`, an event stream's `schema` describes one event (as schemathesis and
+    # OpenAPI 3.2 read it), not the stream as a whole: `data` is JSON text, or `[DONE]` at the end
+    return {"type": "object", "description": description, "required": ["data"],
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                           "retry": {"type": "integer", "minimum": 0}}}
+
+
 def _generation(summary: str, request, response, chunk, op: str, auth: bool) -> dict:
     sse = (f"with `stream: true`: server-sent events, each `data:` a {chunk.__name__} (usage per chunk with "
            "`stream_options.continuous_usage_stats`), then `data: [DONE]`; an error after the stream "
@@ -39,7 +47,7 @@ def _generation(summary: str, request, response, chunk, op: str, auth: bool) -> 
                     "description": "unknown request fields that were ignored (comma-separated names)",
                     "schema": {"type": "string"}}},
                 "content": {"application/json": {"schema": _ref(response)},
-                            "text/event-stream": {"schema": {"type": "string", "description": sse}}},
+                            "text/event-stream": {"schema": _sse_event(sse)}},
             },
             **_errors(400, 401, 404, 502, 503, 504),
         },

@@ -35,6 +35,7 @@ from pdserve.basetypes import SamplingParams
 from pdserve.config import FrontConfig, load
 from pdserve.front.openai_schema import ChatCompletionRequest, CompletionRequest, asked_logprobs, ignored_fields
 from pdserve.front.openapi import IGNORED_FIELDS_HEADER, openapi_document
+from pdserve.introspect import register_runtime_metrics
 from pdserve.front.responses import TokenTexts, chat_logprobs, completion_logprobs
 from pdserve.kvtransfer.protocol import (
     Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects, TokenLogprob,
@@ -155,6 +156,7 @@ class Front:
         return app
 
     async def _startup(self, app) -> None:
+        register_runtime_metrics(self.metrics, asyncio.get_running_loop(), lambda: self.nc)
         self.nc = await self.creds.connect(name="pdserve-front", max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         await self.registry.attach(self.nc)
 
@@ -272,9 +274,12 @@ class Front:
             raise RequestFailed(400, f"stop_token_ids: {bad[:5]} outside the vocabulary (0..{self.vocab_size - 1})",
                                 "invalid_request_error", code="stop_token_ids")
         fmt = req.response_format.type if req.response_format else "text"
+        # -1 and 0 are off, and so is a k past the vocabulary (it keeps every token; as a number it would
+        # not fit the workers' int32 sampling tensors)
+        top_k = req.top_k if 0 < req.top_k < self.vocab_size else 0
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
+                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
                 min_p=req.min_p, seed=req.seed, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
                 ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, repetition_penalty=req.repetition_penalty,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, n=req.n,

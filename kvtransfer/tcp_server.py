@@ -54,11 +54,11 @@ class KVReceiver(Receiver):
     """
 
     def __init__(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 stall_timeout: float = 10.0, shm_pool_bytes: int | None = None, keep_idle_s: float = KEEP_IDLE_S,
+                 advertise_port: int | None = None, stall_timeout: float = 10.0, shm_pool_bytes: int | None = None, keep_idle_s: float = KEEP_IDLE_S,
                  max_kept: int = MAX_KEPT):
         super().__init__(layout, stall_timeout)
         self.host, self.port = host, port
-        self.advertise_host = advertise_host
+        self.advertise_host, self.advertise_port = advertise_host, advertise_port
         self.keep_idle_s, self.max_kept = keep_idle_s, max_kept
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
@@ -69,7 +69,7 @@ class KVReceiver(Receiver):
 
     @property
     def address(self) -> str:
-        return f"{self.advertise_host or self.host}:{self.port}"
+        return f"{self.advertise_host or self.host}:{self.advertise_port or self.port}"
 
     async def start(self) -> "KVReceiver":
         sweep_stale_segments()

@@ -239,6 +239,9 @@ class DecodeConfig(WorkerConfig):
     data_host: str = Field("127.0.0.1", description="bind address of the KV data port")
     advertise_host: Annotated[str | None, Opt(env="POD_IP")] = Field(
         None, description="address prefill dials for KV (default: the data host)")
+    advertise_port: int | None = Field(None, ge=1, le=65535, description="port prefill dials for KV (default: the "
+                                                                         "data port), where something forwarding to "
+                                                                         "it listens (a fault-injecting proxy, a NAT)")
     max_running: int = Field(64, ge=1, description="sequences admitted at once")
     max_batch: int = Field(32, ge=1, description="sequences stepped together in one forward")
     engine: Literal["auto", "paged", "dense"] = Field(

@@ -91,6 +91,9 @@ def log_reason(text: str) -> str:
 class LocalCluster:
     """NATS + N prefill + M decode workers + one front, as child processes of this one.
 
+    `worker_args` maps a role ("prefill", "decode", "front") or one worker's name ("decode-1") to extra flags
+    of its command line; a worker's own come after its role's, so they win.
+
     Children get the parent-death signal when started from the main thread, and are listed in a
     state file that the next cluster's start sweeps if this process vanishes without stopping them.
     """
@@ -159,10 +162,12 @@ class LocalCluster:
             # each child's flags rendered from its own settings model, as the operator renders a pod's
             for i in range(self.n_prefill):
                 cfg = PrefillConfig(model=model_dir, worker_id=f"prefill-{i}", drain_timeout=self.drain_timeout)
-                self.spawn(f"prefill-{i}", "prefill", *to_args(cfg), *self.worker_args.get("prefill", []))
+                self.spawn(f"prefill-{i}", "prefill", *to_args(cfg), *self.worker_args.get("prefill", []),
+                           *self.worker_args.get(f"prefill-{i}", []))
             for i in range(self.n_decode):
                 cfg = DecodeConfig(model=model_dir, worker_id=f"decode-{i}", drain_timeout=self.drain_timeout)
-                self.spawn(f"decode-{i}", "decode", *to_args(cfg), *self.worker_args.get("decode", []))
+                self.spawn(f"decode-{i}", "decode", *to_args(cfg), *self.worker_args.get("decode", []),
+                           *self.worker_args.get(f"decode-{i}", []))
             cfg = FrontConfig(model=model_dir, port=self.port, drain_timeout=self.drain_timeout)
             self.spawn("front", "front", *to_args(cfg), *self.worker_args.get("front", []))
             self.wait_ready(timeout)

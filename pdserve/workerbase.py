@@ -28,6 +28,7 @@ import nats
 from prometheus_client import CollectorRegistry, start_http_server
 
 from pdserve.config import WorkerConfig, load
+from pdserve.introspect import register_runtime_metrics
 from pdserve.kvtransfer.protocol import LoadReport, Subjects
 from pdserve.natsserver import NatsCredentials, close_connection
 
@@ -166,6 +167,7 @@ class WorkerBase:
         self.nc = connect.result()
         await self.on_start()
         if self.args.metrics_port:
+            register_runtime_metrics(self.registry, loop, lambda: self.nc)
             start_http_server(self.args.metrics_port, registry=self.registry)
         hb = asyncio.create_task(self._heartbeat())
         # `pdserve up` waits for this line: this process (not an earlier one under the same id) takes work

@@ -1,0 +1,43 @@
+"""Cheap self-inspection on a process's /metrics: what a leak grows.
+
+prometheus_client's process collector gives `process_open_fds` and `process_resident_memory_bytes`; this adds
+`pdserve_asyncio_tasks` (tasks alive in the serving event loop) and `pdserve_nats_subscriptions` (subscriptions
+the process holds). A soak (bench/soak.py) reads them after its faults stop: each must come back near a fresh
+process's value. Collected at scrape time, from the metrics server's thread: nothing is counted on a hot path.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
+
+
+class RuntimeCollector:
+    """Gauges of `loop`'s live tasks and the subscriptions of the NATS client `nats_client()` returns (None:
+    not connected yet)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, nats_client: Callable[[], object | None]):
+        self.loop, self.nats_client = loop, nats_client
+
+    def collect(self):
+        tasks = GaugeMetricFamily("pdserve_asyncio_tasks", "asyncio tasks alive in the serving event loop")
+        try:
+            # all_tasks copies the loop's task set, retrying if the loop's thread changes it meanwhile
+            tasks.add_metric([], len(asyncio.all_tasks(self.loop)))
+        except RuntimeError:  # the loop is gone (the process is stopping)
+            pass
+        yield tasks
+        subs = GaugeMetricFamily("pdserve_nats_subscriptions", "NATS subscriptions this process holds")
+        nc = self.nats_client()
+        # nats-py keeps its subscriptions in `_subs` (sid -> Subscription) and offers no public count
+        subs.add_metric([], len(getattr(nc, "_subs", {})) if nc is not None else 0)
+        yield subs
+
+
+def register_runtime_metrics(registry: CollectorRegistry, loop: asyncio.AbstractEventLoop,
+                             nats_client: Callable[[], object | None]) -> None:
+    """Add the process collector and `RuntimeCollector` to `registry`."""
+    ProcessCollector(registry=registry)
+    registry.register(RuntimeCollector(loop, nats_client))
