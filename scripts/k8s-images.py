@@ -131,7 +131,8 @@ class Builder:
         gigabytes per change. Source changes within a generation add small layers only."""
         # the dependency lists, not all of pyproject.toml: its test settings and development tools
         # reach no image (the Dockerfile's requirements stage keeps them out of the layers too)
-        epoch = _digest(RECIPE, (REPO / "Dockerfile").read_text(), *_image_requirements(), _constraints(),
+        requirements, operator = _image_requirements()
+        epoch = _digest(RECIPE, (REPO / "Dockerfile").read_text(), *requirements, *operator, _constraints(),
                         *_pip_settings()[0])
         marker = self.cache / "buildah.epoch"
         if marker.is_file() and marker.read_text() == epoch:
@@ -270,13 +271,13 @@ def _debian_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
-def _image_requirements() -> list[str]:
+def _image_requirements() -> tuple[list[str], list[str]]:
     """What the images install, as the Dockerfile's requirements stage reads pyproject.toml: the
-    dependencies and the `k8s` extra, then the operator image's distribution names."""
+    dependencies and the `k8s` extra, and the operator image's distribution names."""
     t = tomllib.loads((REPO / "pyproject.toml").read_text())
     p = t["project"]
-    return [*p["dependencies"], *p.get("optional-dependencies", {}).get("k8s", []),
-            "operator-image:", *t["tool"]["pdserve"]["operator-image"]]
+    return ([*p["dependencies"], *p.get("optional-dependencies", {}).get("k8s", [])],
+            t["tool"]["pdserve"]["operator-image"])
 
 
 def _canonical(name: str) -> str:
@@ -314,7 +315,7 @@ def _constraints() -> str:
     """The running environment's versions (torch pinned to its CPU build) of the distributions the
     images install: dependencies of the images only, so that installing a test tool here changes
     no image."""
-    wanted = _installed_closure([r for r in _image_requirements() if not r.endswith(":")])
+    wanted = _installed_closure(_image_requirements()[0])
     pins = {}
     for d in importlib.metadata.distributions():
         name = (d.metadata["Name"] or "").lower()
