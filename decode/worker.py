@@ -8,7 +8,10 @@ steps), each sequence bringing its last token plus its own number k of draft tok
 verification call then accepts a prefix per sequence and the rejected KV is rolled back. When
 the KV pool runs out, the most recently admitted sequence is preempted and later recomputed.
 Once an offer is accepted this worker owns the request: if its KV never arrives intact, the
-failure policy decides — recompute the prompt here, or fail the request with the reason.
+failure policy decides — recompute the prompt here, or fail the request with the reason. Offers come
+on the worker's own subject (the front routed the request here) and, through a queue group, on the
+model's (prefill re-routes there when the routed worker is gone or refused); a draining worker
+leaves the queue group and refuses every new offer, so the request goes to a worker that stays.
 
 A request with n > 1 choices arrives once, without a first token: its prompt's KV is imported
 once, cut back by its last token, and forked (copy-on-write blocks) into n sequences, whose first
@@ -42,7 +45,7 @@ from pdserve.kvtransfer.channel import KVReceiveChannel
 from pdserve.kvtransfer.frames import TransferError
 from pdserve.jsonmask import JsonVocab
 from pdserve.kvtransfer.protocol import (
-    Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
+    DECODE_QUEUE_GROUP, Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
 )
 from pdserve.kvtransfer.tcp_server import KVReceiver
 from pdserve.processors import SequenceProcessor, make_processor, token_logprobs
@@ -50,6 +53,7 @@ from pdserve.sampling import TextStream, choice_seed, verification_randomness
 from pdserve.workerbase import WorkerBase, run_worker
 
 log = logging.getLogger("pdserve.decode")
+OFFER_DRAIN_S = 2.0  # at most this long to answer the offers NATS had already sent when leaving a subject
 
 
 _ADMISSIONS = itertools.count()
@@ -133,6 +137,9 @@ class DecodeWorker(WorkerBase):
         self.kv_capacity = args.kv_capacity_bytes
         self._stepping: set[str] = set()
         self.receiving_tokens = 0  # prompt tokens of accepted handoffs not yet in the pool
+        self.draining = False
+        self._own_offers = None  # offers routed here, left at the stop
+        self._any_offers = None  # the model's queue group, left on drain
         self.running: OrderedDict[str, Sequence] = OrderedDict()
         self.receiving = 0
         self._cancelled: set[str] = set()
@@ -239,19 +246,38 @@ class DecodeWorker(WorkerBase):
         self.kv_channel = KVReceiveChannel(self.receiver, self.nc, scope=self.scope, worker_id=self.worker_id,
                                            stall_timeout=self.transfer_timeout,
                                            compressions=dict.fromkeys(("none", self.args.kv.compression)))
-        await self.nc.subscribe(Subjects.decode_handoff(self.scope, self.worker_id), cb=self._on_offer)
+        self._own_offers = await self.nc.subscribe(Subjects.decode_handoff(self.scope, self.worker_id),
+                                                   cb=self._on_offer)
+        self._any_offers = await self.nc.subscribe(Subjects.decode_handoff_any(self.scope, self.model_name),
+                                                   queue=DECODE_QUEUE_GROUP, cb=self._on_offer)
         await self.nc.subscribe(Subjects.cancel_all(self.scope), cb=self._on_cancel)
         if hasattr(self.drafter, "attach"):
             self.drafter.attach(self.nc, self.scope, self.model_name)
         self.spawn(self._decode_loop(), background=True)
 
     def busy(self) -> bool:
-        """Sequences decoding, preempted, or whose KV is on its way. A draining decode worker still takes
-        the handoffs of requests routed to it before its `bye`."""
+        """Sequences decoding, preempted, or whose KV is on its way."""
         return bool(self.running) or bool(self.preempted) or self.receiving > 0 or super().busy()
+
+    async def on_drain(self) -> None:
+        """Refuse new offers from now on (prefill re-routes them: a request routed here before the `bye`
+        still reaches a worker that stays) and leave the model's queue group; finish what is held."""
+        self.draining = True
+        await self._leave(self._any_offers)
+
+    async def _leave(self, sub) -> None:
+        """End an offer subscription without losing an offer: the server stops sending (a later offer
+        finds no responder, which prefill re-routes at once), and what it already sent is answered."""
+        if sub is None or not self.nc.is_connected:  # NATS gone: nothing more arrives, nothing can be answered
+            return
+        try:
+            await asyncio.wait_for(sub.drain(), OFFER_DRAIN_S)
+        except Exception as e:  # NATS lost meanwhile, or too slow
+            log.debug("offer subscription drain: %s", e)
 
     async def on_stop(self) -> None:
         """Past the drain timeout: fail every sequence still held, naming why."""
+        await self._leave(self._own_offers)
         for s in [*self.running.values(), *self.preempted]:
             await self._emit(s, kind="error", error=f"decode worker {self.worker_id} stopped before finishing the "
                              f"request (drain timeout {self.args.drain_timeout:g} s)", error_type="unavailable",
@@ -270,6 +296,9 @@ class DecodeWorker(WorkerBase):
             offer = HandoffOffer.decode(msg.data)
         except ProtocolError as e:
             await msg.respond(refuse(str(e)).encode())
+            return
+        if self.draining:
+            await msg.respond(refuse(f"decode worker {self.worker_id} is draining").encode())
             return
         if len(self.running) + self.receiving + offer.sampling.n - 1 >= self.max_running:
             await msg.respond(refuse(f"at capacity ({self.max_running} sequences)").encode())

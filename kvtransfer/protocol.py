@@ -59,6 +59,7 @@ from pdserve.basetypes import KVLayout, SamplingParams
 PROTOCOL_VERSION = 2
 PREFIX = f"pdserve.v{PROTOCOL_VERSION}"
 PREFILL_QUEUE_GROUP = "prefill"
+DECODE_QUEUE_GROUP = "decode"
 
 Role = Literal["prefill", "decode", "front", "draft"]
 
@@ -119,6 +120,12 @@ class Subjects:
     @staticmethod
     def decode_handoff(scope: str, worker_id: str) -> str:
         return f"{PREFIX}.decode.{scope_token(scope)}.{_safe_token(worker_id)}.handoff"
+
+    @staticmethod
+    def decode_handoff_any(scope: str, model: str) -> str:
+        """Any decode worker of a model that takes new work (a queue group): where prefill re-routes a
+        handoff whose routed decode worker is gone or refused it. A draining worker leaves it."""
+        return f"{PREFIX}.handoff.{scope_token(scope)}.{_safe_token(model)}"
 
     @staticmethod
     def stream(scope: str, request_id: str) -> str:

@@ -68,6 +68,7 @@ from pdserve.workerbase import WorkerBase, run_worker
 log = logging.getLogger("pdserve.prefill")
 
 _JOB_IDS = itertools.count()
+HANDOFF_REROUTES = 3  # offers to the model's queue group after the routed decode worker did not take one
 
 
 @dataclass(eq=False)
@@ -163,6 +164,8 @@ class PrefillWorker(WorkerBase):
                                   registry=r)
         self.m_streamed = Counter("pdserve_kv_layer_streamed_total", "handoffs whose KV left layer by layer "
                                   "during the prompt's last forward", registry=r)
+        self.m_rerouted = Counter("pdserve_handoffs_rerouted_total", "handoffs another decode worker took after "
+                                  "the routed one was gone or refused (draining, full)", registry=r)
         self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV handoff time (offer to ACK)", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
 
@@ -631,6 +634,38 @@ class PrefillWorker(WorkerBase):
             **self.kv_channel.offer_fields(),
         )
 
+    async def _place(self, req: PrefillRequest, offer: HandoffOffer) -> "HandoffReply | str":
+        """Offer the KV to the decode worker the front routed the request to; if that worker is gone (no
+        responder) or refused (draining, full), to any decode worker of the model, a few times. The
+        accepting reply, or why nobody took it.
+
+        A worker that refused or was never there does not own the request, so another may take it. A
+        worker that did not answer in time may still take it late: then the request fails here, as
+        two owners of one request would each continue it."""
+        subject, target = Subjects.decode_handoff(self.scope, req.decode_worker_id), f"decode worker {req.decode_worker_id}"
+        why: list[str] = []
+        for attempt in range(1 + HANDOFF_REROUTES):
+            try:
+                raw = await self.nc.request(subject, offer.encode(), timeout=self.offer_timeout)
+                reply = HandoffReply.decode(raw.data)
+            except nats.errors.TimeoutError:
+                return "; ".join([*why, f"{target} did not answer the handoff within {self.offer_timeout:.1f} s"])
+            except nats.errors.NoRespondersError:
+                why.append("no other decode worker is listening" if attempt else f"{target} is not listening")
+                if attempt:
+                    break
+            else:
+                if reply.accepted:
+                    if attempt:
+                        self.m_rerouted.inc()
+                        log.info("handoff of %s re-routed to %s (%s)", req.request_id, reply.worker_id, why[0])
+                    return reply
+                why.append(f"decode worker {reply.worker_id} refused the handoff: {reply.error}")
+                if attempt:
+                    await asyncio.sleep(0.05 * attempt)  # a full worker frees room as its sequences end
+            subject, target = Subjects.decode_handoff_any(self.scope, self.model_name), "a decode worker of the model"
+        return "; ".join(why)
+
     async def _handoff(self, req: PrefillRequest, kv, generated: list[int]) -> None:
         kv = kv.for_handoff()  # a sliding-window layer's window only (the offload tier keeps every block)
         offer = self._offer(req, kv.layout, kv.num_tokens, kv.nbytes, generated)
@@ -638,18 +673,9 @@ class PrefillWorker(WorkerBase):
         self.transfer_backlog_bytes += kv.nbytes
         t0 = time.monotonic()
         try:
-            try:
-                raw = await self.nc.request(Subjects.decode_handoff(self.scope, req.decode_worker_id), offer.encode(),
-                                            timeout=self.offer_timeout)
-                reply = HandoffReply.decode(raw.data)
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-                await self._fail(req, len(generated), f"decode worker {req.decode_worker_id} did not answer the handoff "
-                                         f"within {self.offer_timeout:.1f} s", status=503, error_type="unavailable")
-                return
-            if not reply.accepted:
-                # decode refused before owning the request: it is ours to report
-                await self._fail(req, len(generated), f"decode worker {reply.worker_id} refused the handoff: {reply.error}",
-                                 status=503, error_type="unavailable")
+            reply = await self._place(req, offer)
+            if isinstance(reply, str):  # no decode worker took the request: it is ours to report
+                await self._fail(req, len(generated), reply, status=503, error_type="unavailable")
                 return
             header = self.kv_channel.header(reply, req.request_id, kv.layout, kv.num_tokens)
             try:

@@ -17,7 +17,7 @@ import nats
 import pytest
 
 from pdserve.basetypes import KVLayout, SamplingParams
-from pdserve.kvtransfer.protocol import HandoffOffer, HandoffReply, StreamEvent, Subjects
+from pdserve.kvtransfer.protocol import Ack, HandoffOffer, HandoffReply, PrefillRequest, StreamEvent, Subjects
 from pdserve.local import LocalCluster
 from servinghelpers import NatsWatch, accepted_by, decoded_by, post, stream_subjects, wait_for
 
@@ -106,6 +106,33 @@ def test_lost_kv_fails_the_request_under_the_fail_policy(cluster, nats_server, m
     assert [e.kind for e in events] == ["error"]
     assert "did not arrive within 2.0 s" in events[0].error and events[0].status == 502
     assert time.monotonic() - t0 < 20
+
+
+def test_a_handoff_whose_decode_worker_is_gone_goes_to_another(cluster, tok):
+    """The front routed the request to a decode worker that left while prefill ran the prompt (a
+    scale-down, a rolling update): nobody listens on that worker's subject any more, so prefill offers
+    the KV to the model's other decode workers (a queue group) and the answer is whole and right."""
+    prompt = "The three primary colours are"
+    expected = greedy_ids(cluster, prompt, 8)
+    req = PrefillRequest(request_id="routed-to-a-gone-decode", model=MODEL,
+                         prompt_token_ids=tok.encode(prompt, add_special_tokens=False),
+                         sampling=SamplingParams(max_tokens=8, temperature=0), seed=0,
+                         decode_worker_id="decode-scaled-away", failure_policy="fail")
+
+    async def go():
+        async with await nats.connect(**cluster.creds.connect_kwargs()) as nc:
+            sub = await nc.subscribe(Subjects.stream(cluster.scope, req.request_id))
+            ack = Ack.decode((await nc.request(Subjects.prefill(cluster.scope, MODEL), req.encode(), timeout=10)).data)
+            events = []
+            while ack.accepted and (not events or events[-1].kind not in ("done", "error")):
+                events.append(StreamEvent.decode((await sub.next_msg(timeout=60)).data))
+            return ack, events
+
+    ack, events = asyncio.run(go())
+    assert ack.accepted, ack
+    assert [e.kind for e in events if e.kind != "token"] == ["handoff", "done"], events
+    assert [e.worker_id for e in events if e.kind == "handoff"] == ["decode-0"]
+    assert [t for e in events if e.kind == "token" for t in e.token_ids] == expected
 
 
 def test_handoff_for_another_model_is_refused(cluster, nats_server, model_dir, tok):

@@ -3,12 +3,16 @@ update or a scale-down) says `bye`, takes no new work, finishes what it holds wi
 fails what remains with a clear error, and exits."""
 from __future__ import annotations
 
+import asyncio
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import nats
 import pytest
 
+from pdserve.basetypes import KVLayout, SamplingParams
+from pdserve.kvtransfer.protocol import HandoffOffer, HandoffReply, Subjects
 from pdserve.local import LocalCluster
 from servinghelpers import NatsWatch, accepted_by, decoded_by, post, stream_subjects, wait_for
 
@@ -34,6 +38,17 @@ def completion(cluster, prompt, n: int) -> tuple[int, dict]:
                                                   "ignore_eos": True, "return_token_ids": True})
 
 
+async def _offer_to(cluster, worker_id: str) -> HandoffReply:
+    offer = HandoffOffer(request_id="offered-while-draining", sender_id="prefill-x", sender_generation=1,
+                         layout=KVLayout(model_fingerprint="0" * 16, num_layers=30, kv_heads=3, head_dim=64,
+                                         dtype="float32", block_size=16),
+                         num_tokens=1, kv_bytes=1, prompt_token_ids=[1], generated_token_ids=[2],
+                         sampling=SamplingParams(max_tokens=4, temperature=0), seed=0, next_seq=1)
+    async with await nats.connect(**cluster.creds.connect_kwargs()) as nc:
+        msg = await nc.request(Subjects.decode_handoff(cluster.scope, worker_id), offer.encode(), timeout=10)
+        return HandoffReply.decode(msg.data)
+
+
 def test_draining_decode_finishes_its_request_and_takes_no_new_one(cluster):
     prompt, n = "Count from one to one thousand: one, two,", 64
     status, expected = completion(cluster, prompt, n)
@@ -47,6 +62,9 @@ def test_draining_decode_finishes_its_request_and_takes_no_new_one(cluster):
         assert not held.done(), "the held request ended before the drain was observed: make it longer"
         status, new = completion(cluster, "Hello", 4)
         assert status == 503 and new["error"]["code"] == "no_worker", new
+        # a handoff routed to it before its bye is refused, so prefill takes it to a worker that stays
+        reply = asyncio.run(_offer_to(cluster, "decode-0"))
+        assert not reply.accepted and "decode worker decode-0 is draining" in reply.error, reply
         # ... while the one it holds completes, whole and right
         status, out = held.result()
     assert status == 200, out
