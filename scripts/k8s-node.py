@@ -212,8 +212,8 @@ class NodeCluster(cluster_mod.LocalCluster):
         return self._relay.forward(host, port)
 
     def tag_image(self, ref: str, new_ref: str) -> None:
-        """Give an imported image a second name in the node's image store."""
-        self._ctr("images", "tag", ref, new_ref)
+        """Give an imported image a second name in the node's image store (a name left by an earlier run moves)."""
+        self._ctr("images", "tag", "--force", ref, new_ref)
 
     def _ctr(self, *args: str) -> str:
         out = subprocess.run(["ctr", "--address", str(self.workdir / "containerd/containerd.sock"), "-n", "k8s.io",
