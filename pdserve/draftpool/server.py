@@ -21,7 +21,6 @@ import socket
 import time
 from pathlib import Path
 
-import nats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from pdserve.config import DraftPoolConfig, load
