@@ -334,7 +334,10 @@ class Soak:
         args["decode"] = ["--spec-method", "ngram"]
         # the token bounds inside REQUEST_BOUND_S, wide enough for a busy 2-core machine
         args["front"] = ["--dispatch-timeout", "5", "--first-token-timeout", "120", "--token-timeout", "60"]
-        self.cluster = LocalCluster(model, 2, 2, worker_args=args, drain_timeout=5.0)
+        # float32: a greedy answer must equal its reference whatever batch it shared a step with, and at
+        # bfloat16 (dtype auto, on a CPU with native bf16) a step of other rows rounds differently
+        self.cluster = LocalCluster(model, 2, 2, worker_args=args, drain_timeout=5.0,
+                                    env={"PDSERVE_DTYPE": os.environ.get("PDSERVE_DTYPE") or "float32"})
         self.tally = Tally()
         self.refs: dict[str, Answer] = {}
         self.jobs: list[Job] = []
