@@ -82,6 +82,9 @@ class DraftPool:
         self._subs = [await nc.subscribe(self.subject, queue="draftpool", cb=self._on_request),
                       await nc.subscribe(Subjects.draft_report(self.cfg.deployment_scope, served_name(self.cfg)),
                                          cb=self._on_report)]
+        # Asks and reports come over other connections: they find this pool only once the server holds
+        # its subscriptions (an ask before that is "no responders", and its asker backs off).
+        await nc.flush()
         if serve:
             load = Subjects.load(self.cfg.deployment_scope, ROLE, self.worker_id)
             self._tasks = [asyncio.create_task(self._serve()),
