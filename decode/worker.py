@@ -628,11 +628,21 @@ class DecodeWorker(WorkerBase):
                 if s.last_step >= 0:
                     self.m_wait_steps.observe(self.steps - s.last_step - 1)
                 s.last_step = self.steps
+            # Stepping from here on: drafting can await (a draft model's thread, the pool over NATS), and
+            # a cancel arriving then must leave the sequence's KV to this loop rather than free it under us.
+            self._stepping = {s.key for s in batch}
             if getattr(self.drafter, "concurrent", False):  # remote drafts: ask for the whole batch at once
                 drafts = await asyncio.gather(*(self._plan(s) for s in batch))
             else:
                 drafts = [await self._plan(s) for s in batch]
-            self._stepping = {s.key for s in batch}
+            if cancelled := [i for i, s in enumerate(batch) if s.key not in self.running]:
+                for i in cancelled:
+                    self._release(batch[i])
+                batch = [s for i, s in enumerate(batch) if i not in cancelled]
+                drafts = [d for i, d in enumerate(drafts) if i not in cancelled]
+                self._stepping = {s.key for s in batch}
+                if not batch:
+                    continue
             t0 = time.perf_counter()
             try:
                 committed = await self.compute(self._forward_and_verify, batch, drafts)
