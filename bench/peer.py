@@ -57,9 +57,15 @@ def _venv(name: str) -> Path:
     return PEERS / name
 
 
+def _outside_repo(cmd: list[str], check: bool = True) -> None:
+    """Run an install step from the peers' folder: a python started in the checkout puts it on sys.path,
+    and the checkout's top-level `operator/` then shadows the standard library's (pip and venv import it)."""
+    PEERS.mkdir(parents=True, exist_ok=True)
+    subprocess.run(cmd, check=check, cwd=PEERS)
+
+
 def _pip(venv: Path, *args: str) -> None:
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
-                   check=True)
+    _outside_repo([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args])
 
 
 def _ensure_venv(name: str, version: str, *pip_args: str, after=None) -> Path:
@@ -68,7 +74,7 @@ def _ensure_venv(name: str, version: str, *pip_args: str, after=None) -> Path:
     stamp = venv / f".pdserve-{name}-{version}"
     if not stamp.exists():
         say(f"installing {name}=={version} into {venv} (once; minutes, longer on a loaded machine) ...")
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        _outside_repo([sys.executable, "-m", "venv", str(venv)])
         _pip(venv, *pip_args)
         if after is not None:
             after(venv)
@@ -79,8 +85,8 @@ def _ensure_venv(name: str, version: str, *pip_args: str, after=None) -> Path:
 def _drop_vision_wheels(venv: Path) -> None:
     # vLLM's CUDA builds of these fail to load (`operator torchvision::nms does not exist`) and stop the
     # server at start; a text model needs none of them.
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
-                    "torchcodec"], check=False)
+    _outside_repo([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
+                   "torchcodec"], check=False)
 
 
 def ensure_vllm() -> Path:
