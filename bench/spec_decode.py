@@ -97,7 +97,7 @@ def table(results: list[dict], workloads, a, name: str, clock: str) -> list[dict
     the neighbours on a shared machine do)."""
     what = "wall clock" if clock == "decode_s" else "CPU seconds of the decoding process"
     print(f"\nspeculative decoding, {name}, greedy, n-gram drafter (max k {a.max_k}) vs transformers prompt lookup "
-          f"({a.lookup}); decode tokens/s (after the first token), one torch thread; " + what
+          f"({a.lookup}); decode tokens/s (after the first token), one torch thread, {a.dtype}; " + what
           + (f"; medians of {a.repeat} repeats" if a.repeat > 1 else ""))
     hdr = (f"{'workload':<12} {'prompts':>7} {'tokens':>7} | {'plain':>7} {'spec':>7} {'HF-PL':>7} | "
            f"{'spec/plain':>10} {'spec/HF':>8} | {'accept':>6} {'same':>5}")
@@ -135,13 +135,13 @@ def table(results: list[dict], workloads, a, name: str, clock: str) -> list[dict
     return summary
 
 
-def calibration_note(model_dir, max_k: int) -> str:
+def calibration_note(model_dir, max_k: int, dtype: torch.dtype) -> str:
     """What the decode worker's calibration chose on this machine (the same cached profile it loads at
     start, measured here first if there is none yet): step cost and weight layout per row count."""
     from pdserve.engine.calibrate import calibrated
     from pdserve.engine.runner import PagedRunner
 
-    engine = PagedRunner(model_dir, num_blocks=64, prefix_cache=False)
+    engine = PagedRunner(model_dir, dtype=dtype, num_blocks=64, prefix_cache=False)
     prof = calibrated(engine, max_k=max_k)
     del engine
     return "calibration: " + prof.summary()
@@ -161,6 +161,9 @@ def main() -> int:
     p.add_argument("--lookup", type=int, default=10, help="transformers prompt_lookup_num_tokens")
     p.add_argument("--repeat", type=int, default=1, help="run everything N times; report median ratios")
     p.add_argument("--json", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="of pdserve's workers and transformers' model alike (the workers' own default, auto, "
+                        "is bfloat16 on a CPU with native bf16)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="decode without the step-cost calibration (the fixed layout ranges and the linear cost fit)")
     a = p.parse_args()
@@ -169,13 +172,14 @@ def main() -> int:
     name = model_dir.name
     workloads = get_workloads(a.workloads)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dtype = getattr(torch, a.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     if not a.no_calibrate:
-        print(calibration_note(model_dir, a.max_k), flush=True)
+        print(calibration_note(model_dir, a.max_k, dtype), flush=True)
     results = []
     decode_args = ["--spec-method", "ngram", "--spec-max-k", str(a.max_k),
                    *(["--no-spec-calibrate"] if a.no_calibrate else [])]
-    with LocalCluster(str(model_dir), worker_args={"decode": decode_args}) as c:
+    with LocalCluster(str(model_dir), worker_args={"decode": decode_args}, env={"PDSERVE_DTYPE": a.dtype}) as c:
         decode_pid = c.procs["decode-0"].pid
         cpu = lambda: process_cpu_seconds(decode_pid)  # noqa: E731
         runners = {

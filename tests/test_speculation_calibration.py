@@ -100,7 +100,7 @@ def test_calibration_on_the_real_model_sets_the_measured_plan(runner, tmp_path):
         assert prof.seconds[r] == min(prof.by_layout[n][r] for n in layouts)
         if len(layouts) > 1:
             assert prof.by_layout[prof.layouts[r]][r] == prof.seconds[r]
-            assert runner.model.output.plan[r] == prof.layouts[r]
+            assert runner.model.step_plan[r] == prof.layouts[r]
     assert "__pdserve_calibration__" not in runner  # the measuring sequence is gone
 
 
@@ -140,7 +140,7 @@ def test_calibrated_caches_by_key(runner, tmp_path, monkeypatch):
     assert len(calls) == 1  # the second came from the cache
     assert second == first
     if first.layouts:
-        assert runner.model.output.plan == first.plan()  # ... and set the cached plan again
+        assert runner.model.step_plan == first.plan()  # ... and set the cached plan again
     assert len(list(tmp_path.glob("*.json"))) == 1
 
 

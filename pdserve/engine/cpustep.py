@@ -20,6 +20,23 @@ PACK_ROWS_HINT = 16  # the row count oneDNN lays the packed weights out for (fla
 FUSIBLE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
+LAYOUTS = ("t", "rows", "packed")  # x @ W_t; F.linear on [out, in]; oneDNN's prepacked weight
+
+
+class StepPlan:
+    """The weight layout for a step of N rows, one plan shared by every `CpuLinear` of a model.
+
+    `by_rows[n]` names the layout (`LAYOUTS`) of an n-row step: what a step calibration measured fastest
+    on this machine (`pdserve.engine.calibrate`). Empty (no calibration), every module follows
+    `CpuLinear.default_layout`; set, rows past its end take "t" (sizes nobody measured).
+    """
+
+    __slots__ = ("by_rows",)
+
+    def __init__(self) -> None:
+        self.by_rows: tuple[str, ...] = ()
+
+
 class CpuLinear(nn.Module):
     """``x @ W.T + b``, with the weight in the layout the CPU's BLAS runs fastest for the row count.
 
@@ -34,8 +51,11 @@ class CpuLinear(nn.Module):
         F.linear [out, in] 38    44    45    79    85   124
         oneDNN packed      46    56    52    51    52    56
 
-    So a module may also hold `weight_rows` (`[out, in]`, for `ROW_MAJOR_ROWS`) and `weight_packed`
-    (oneDNN's layout, for up to `PACKED_MAX_ROWS` rows): see `add_small_step_layouts`.
+    So a module may also hold `weight_rows` (`[out, in]`) and `weight_packed` (oneDNN's layout): see
+    `add_small_step_layouts`. Which one a step of n rows uses is its `plan`'s choice, measured on the
+    machine it runs on (other CPUs rank them otherwise: on an AMD EPYC `[out, in]` at 2-3 rows was the
+    slowest of the three, and packed weights the fastest even at one row); without a plan,
+    `default_layout`, the ranking above.
     """
 
     ROW_MAJOR_ROWS = (2, 3)
@@ -47,6 +67,7 @@ class CpuLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.weight_rows: Tensor | None = None
         self.weight_packed: Tensor | None = None
+        self.plan: StepPlan | None = None
 
     @property
     def weight(self) -> Tensor:
@@ -61,15 +82,25 @@ class CpuLinear(nn.Module):
     def out_features(self) -> int:
         return self.weight_t.shape[1]
 
+    def default_layout(self, rows: int) -> str:
+        """The layout of an n-row step without a plan: `[out, in]` for `ROW_MAJOR_ROWS`, packed up to
+        `PACKED_MAX_ROWS`, else (and where this module lacks that layout) "t"."""
+        if self.weight_rows is not None and rows in self.ROW_MAJOR_ROWS:
+            return "rows"
+        if self.weight_packed is not None and 2 <= rows <= self.PACKED_MAX_ROWS:
+            return "packed"
+        return "t"
+
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows != 1:
-            if self.weight_rows is not None and rows in self.ROW_MAJOR_ROWS:
-                return F.linear(x, self.weight_rows, self.bias)
-            if self.weight_packed is not None and 2 <= rows <= self.PACKED_MAX_ROWS:
-                y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1).contiguous(), self.weight_packed, self.bias,
-                                                       "none", [], "")
-                return y.view(*x.shape[:-1], -1)
+        plan = self.plan.by_rows if self.plan is not None else ()
+        layout = (plan[rows] if rows < len(plan) else "t") if plan else self.default_layout(rows)
+        if layout == "packed" and self.weight_packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1).contiguous(), self.weight_packed, self.bias,
+                                                   "none", [], "")
+            return y.view(*x.shape[:-1], -1)
+        if layout == "rows" and self.weight_rows is not None:
+            return F.linear(x, self.weight_rows, self.bias)
         # one mm on the rows as a matrix: `x @ weight_t` on [1, T, in] costs two more reshaping ops a call
         y = torch.mm(x.reshape(rows, -1), self.weight_t)
         if self.bias is not None:

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 from pdserve.checkpoint import UnsupportedModel, layer_windows, max_context
+from pdserve.engine.cpustep import LAYOUTS, CpuLinear, StepPlan
 from pdserve.kernels.paged_attention import paged_attention, write_kv
 
 ATTENTION = "pdserve_paged"
@@ -134,6 +135,9 @@ class HFPagedModel(nn.Module):
         self.attention_impl = attention_impl
         self.layers = _decoder_layers(hf)
         self.attention = self._probe()
+        self._plan = StepPlan()  # shared by every CpuLinear (CPU models): empty until a calibration sets it
+        for m in self._cpu_linears():
+            m.plan = self._plan
         self.vocab_size = int(self.config.vocab_size)
         self.max_context = max_context(self.config)
         arch = type(hf).__name__
@@ -168,17 +172,40 @@ class HFPagedModel(nn.Module):
                                    "needs one attention per decoder layer")
         return [seen[i] for i in range(n)]
 
+    def _cpu_linears(self) -> list[CpuLinear]:
+        return [m for m in self.hf.modules() if isinstance(m, CpuLinear)]
+
     def step_layouts(self) -> tuple[str, ...]:
-        """The weight layouts a step calibration (`engine.calibrate`) may choose between: only "t" — the
-        small-step layouts of `cpustep.CpuLinear` follow a fixed rule of row counts, so the step is
-        measured as it is."""
-        return ("t",)
+        """The weight layouts a step calibration (`engine.calibrate`) may choose between (`cpustep.LAYOUTS`
+        that the projections hold): "t" always; "rows" and "packed" where the CPU model keeps them
+        (`small_step_weights`; packed for float32 with oneDNN)."""
+        mods = self._cpu_linears()
+        held = {"t": True, "rows": any(m.weight_rows is not None for m in mods),
+                "packed": any(m.weight_packed is not None for m in mods)}
+        return tuple(name for name in LAYOUTS if held[name])
+
+    @property
+    def step_plan(self) -> tuple[str, ...]:
+        """The layout per row count (index = rows) the projections follow; () for their default rule."""
+        return self._plan.by_rows
 
     def set_step_plan(self, plan: tuple[str, ...]) -> None:
-        """Accept a calibration's plan (a layout per row count); names other than `step_layouts()` are refused."""
+        """Take a calibration's plan (a layout per row count, index = rows; rows past it use "t"); names
+        other than `step_layouts()` are refused."""
         unknown = sorted(set(plan) - set(self.step_layouts()))
         if unknown:
             raise ValueError(f"unknown weight layout(s) {unknown}; this model offers {self.step_layouts()}")
+        self._plan.by_rows = tuple(plan)
+
+    def release_unplanned_layouts(self) -> None:
+        """Drop the weight copies the plan never uses (each extra layout is another copy of the weights):
+        "rows" and "packed" stay only where a row count of the plan takes them."""
+        used = set(self._plan.by_rows)
+        for m in self._cpu_linears():
+            if "rows" not in used:
+                m.weight_rows = None
+            if "packed" not in used:
+                m.weight_packed = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv: Tensor, batch: PagedBatch, logits_index: Tensor) -> Tensor:
         """One ragged step.
