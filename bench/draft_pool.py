@@ -94,6 +94,9 @@ def main() -> int:
     p.add_argument("--max-k", type=int, default=8)
     p.add_argument("--json", default=None)
     p.add_argument("--log-dir", default=None, help="keep the clusters' logs here")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="both clusters' (the workers' own default, auto, is bfloat16 on a CPU with native bf16, "
+                        "where a k-row step rounds unlike a 1-row one and greedy outputs may part at near ties)")
     a = p.parse_args()
     model_dir = resolve_model(a.model)
     name = model_dir.name
@@ -107,10 +110,11 @@ def main() -> int:
             Path(a.log_dir, side).mkdir(parents=True, exist_ok=True)
     nats = EmbeddedNats().start()
     try:
-        with LocalCluster(str(model_dir), nats=nats.creds, log_dir=a.log_dir and f"{a.log_dir}/pool",
+        env = {"PDSERVE_DTYPE": a.dtype}
+        with LocalCluster(str(model_dir), nats=nats.creds, log_dir=a.log_dir and f"{a.log_dir}/pool", env=env,
                           worker_args={"decode": [*spec, "--draft-pool", "--metrics-port", str(metrics)],
                                        "front": front}) as P, \
-                LocalCluster(str(model_dir), nats=nats.creds, log_dir=a.log_dir and f"{a.log_dir}/local",
+                LocalCluster(str(model_dir), nats=nats.creds, log_dir=a.log_dir and f"{a.log_dir}/local", env=env,
                              worker_args={"decode": spec, "front": front}) as L:
             P.spawn("draftpool", "draftpool", "--model", str(model_dir))
 

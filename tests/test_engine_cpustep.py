@@ -55,6 +55,36 @@ def test_the_cpu_step_computes_what_the_model_computes(cls, cfg_cls, extra):
         assert torch.equal(got, want)  # the same float32 arithmetic, bit for bit
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_weight_layout_computes_the_linear_at_every_row_count(dtype):
+    """Whichever layout a plan names for whichever row count, a projection computes nn.Linear's product
+    (relative to its scale: the layouts' kernels sum in other orders); a plan's row counts past its end
+    and layouts a module lacks fall back to x @ W_t."""
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 160).to(dtype)
+    mod = cpustep._cpu_linear(lin)
+    holder = nn.Sequential(mod)
+    cpustep.add_small_step_layouts(holder)
+    assert mod.weight_rows is not None
+    layouts = ["t", "rows"] + (["packed"] if mod.weight_packed is not None else [])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    plan = cpustep.StepPlan()
+    mod.plan = plan
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 5, 13):
+            x = torch.randn(1, rows, 96).to(dtype)
+            want = lin(x).float()
+            for name in layouts:
+                plan.by_rows = (name,) * 6
+                got = mod(x).float()
+                assert got.shape == want.shape
+                assert (got - want).abs().max() <= tol * want.abs().max(), (name, rows)
+        plan.by_rows = ("packed",) * 2
+        mod.weight_packed = None  # released: the plan's layout is gone, x @ W_t computes it
+        x = torch.randn(1, 1, 96).to(dtype)
+        assert torch.equal(mod(x), torch.mm(x.reshape(1, -1), mod.weight_t).view(1, 1, -1) + mod.bias)
+
+
 def test_fused_projections_share_one_matmul_and_stay_right_when_called_apart():
     model = tiny(t.Qwen2ForCausalLM, t.Qwen2Config)
     attn = model.model.layers[0].self_attn

@@ -180,10 +180,13 @@ def adapt_linears(model: nn.Module, *, skip: tuple[nn.Module, ...] = ()) -> None
                 setattr(parent, name, _cpu_linear(child))
 
 
+PACKED_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's prepacked linear takes on the CPU
+
+
 def add_small_step_layouts(model: nn.Module, rows_weight: dict[CpuLinear, Tensor] | None = None) -> None:
-    """The extra layouts of `CpuLinear` for steps of 2-12 rows: the `[out, in]` copy (or the tensor given in
-    `rows_weight`, e.g. a tied embedding table that already is one) and oneDNN's prepacked copy (float32
-    only, where oneDNN is built in)."""
+    """The extra layouts of `CpuLinear` for small steps: the `[out, in]` copy (or the tensor given in
+    `rows_weight`, e.g. a tied embedding table that already is one) and oneDNN's prepacked copy (float32 and
+    bfloat16, where oneDNN is built in). A step calibration keeps those its plan uses."""
     rows_weight = rows_weight or {}
     for mod in model.modules():
         if not isinstance(mod, CpuLinear):
@@ -191,7 +194,7 @@ def add_small_step_layouts(model: nn.Module, rows_weight: dict[CpuLinear, Tensor
         w = rows_weight.get(mod)
         w = mod.weight_t.detach().t().contiguous() if w is None else w
         mod.weight_rows = w
-        if torch.backends.mkldnn.is_available() and w.dtype == torch.float32:
+        if torch.backends.mkldnn.is_available() and w.dtype in PACKED_DTYPES:
             try:
                 mod.weight_packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
             except (RuntimeError, AttributeError):  # an oneDNN without the op: BLAS it is
