@@ -596,11 +596,30 @@ class DecodeWorker(WorkerBase):
                             torch.tensor([p.top_p for p in sp]), u, noise, min_p=min_p, impl=self.verify_impl)
         return [out[i, : int(n_acc[i]) + 1].tolist() for i in range(B)]
 
+    def _room_to_resume(self, s: Sequence) -> bool:
+        """Whether `s` fits back with a block of growth for each sequence it would step with. Fitting its
+        context alone is not enough: the next step then runs out again and preempts it at once, and that
+        preempt-recompute loop repeats with no sequence ever advancing."""
+        return self.engine.can_admit(len(s.context) + self.engine.layout.block_size * len(self.running))
+
     async def _resume_preempted(self) -> None:
-        """Bring preempted sequences back (recomputing their KV) once the pool has room."""
-        while self.preempted and self.engine.can_admit(len(self.preempted[0].context)):
+        """Bring preempted sequences back (recomputing their KV) once the pool has room; fail one that cannot
+        fit even alone (its answer outgrew the whole pool)."""
+        while self.preempted and not self.running and not self.engine.can_admit(len(self.preempted[0].context)):
+            s = self.preempted.popleft()
+            log.warning("%s needs more KV than the pool holds (%d tokens); failing it", s.key, len(s.context))
+            await self._emit(s, kind="error", status=503, error_type="unavailable",
+                             error=f"decode worker {self.worker_id}: the sequence outgrew its KV pool "
+                                   f"({len(s.context)} tokens); retry with a smaller max_tokens")
+            self._release(s)
+        while self.preempted and self._room_to_resume(self.preempted[0]):
             s = self.preempted.popleft()
             await self.compute(self.engine.prefill, s.key, s.context[:-1])
+            if s.request_id in self._cancelled:  # cancelled while its KV was recomputed (it was in neither set)
+                if not any(p.request_id == s.request_id for p in self.preempted):
+                    self._cancelled.discard(s.request_id)
+                self._release(s)
+                continue
             s.last_step = -1  # it waited for memory, not for its turn: a fresh start in the rotation
             self.running[s.key] = s
             log.info("resumed preempted %s (%d tokens recomputed)", s.key, len(s.context) - 1)
@@ -648,7 +667,11 @@ class DecodeWorker(WorkerBase):
                 committed = await self.compute(self._forward_and_verify, batch, drafts)
             except OutOfBlocks:
                 self._stepping = set()
-                self._preempt(batch)
+                for s in batch:
+                    if s.key not in self.running:  # cancelled while the step ran: its KV goes now
+                        self._release(s)
+                if live := [s for s in batch if s.key in self.running]:
+                    self._preempt(live)
                 continue
             except Exception as e:
                 log.exception("decode step failed for %d sequences", len(batch))

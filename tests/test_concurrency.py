@@ -34,8 +34,8 @@ def cluster(nats_server, model_dir):
         yield c
 
 
-def complete(url, prompt, n):
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": True}
+def complete(url, prompt, n, **extra):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": True, **extra}
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())["choices"][0]["token_ids"]
@@ -75,3 +75,40 @@ def test_sixteen_interleaved_requests_equal_each_alone_and_leave_no_blocks(clust
     assert metric(cluster.decode_metrics_port, "pdserve_decode_running_sequences") == 0
     assert metric(cluster.decode_metrics_port, "pdserve_decode_kv_utilization") == 0
     assert metric(cluster.decode_metrics_port, "pdserve_decode_tokens_total") >= 2 * sum(lengths) - 32
+
+
+# SmolLM2's KV in float32: 30 layers x 2 x 3 heads x 64 dims x 4 bytes a token, 16 tokens a block
+BLOCK_BYTES = 30 * 2 * 3 * 64 * 4 * 16
+
+
+@pytest.fixture(scope="module")
+def small_pool(nats_server, model_dir):
+    """A decode worker whose KV pool holds 16 blocks (256 tokens): four long answers cannot all fit."""
+    port = free_port()
+    with LocalCluster(str(model_dir), nats=nats_server.creds,
+                      worker_args={"decode": ["--spec-method", "none", "--metrics-port", str(port),
+                                              "--kv-capacity-bytes", str(16 * BLOCK_BYTES)]}) as c:
+        c.decode_metrics_port = port
+        yield c
+
+
+def test_a_full_pool_preempts_and_recomputes_and_cancels_free_everything(small_pool):
+    """Four requests that outgrow the pool together: the newest is preempted, recomputed once there is
+    room, and each still answers exactly what it answers alone; requests cancelled meanwhile (running or
+    waiting to be recomputed) give their blocks back."""
+    c = small_pool
+    prompts = PROMPTS[:4]
+    alone = [complete(c.url, p, 90, ignore_eos=True) for p in prompts]  # ~96 tokens, 6-7 blocks each
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        futures = [ex.submit(complete, c.url, p, 90, ignore_eos=True) for p in prompts]
+        cancels = [ex.submit(cancel_after, c.url, f"Count slowly: {i}, {i + 1},", 20) for i in range(2)]
+        together = [f.result() for f in futures]
+        assert all(x.result() >= 20 for x in cancels)
+    assert together == alone
+    assert metric(c.decode_metrics_port, "pdserve_decode_preemptions_total") > 0  # the pool did run out
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (metric(c.decode_metrics_port, "pdserve_decode_running_sequences")
+                                           or metric(c.decode_metrics_port, "pdserve_decode_kv_utilization")):
+        time.sleep(0.5)  # poll interval: a cancel is one NATS message on its way
+    assert metric(c.decode_metrics_port, "pdserve_decode_running_sequences") == 0
+    assert metric(c.decode_metrics_port, "pdserve_decode_kv_utilization") == 0
