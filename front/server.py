@@ -80,6 +80,11 @@ class Front:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         self.max_context = int(cfg.get("max_position_embeddings", 2048))
+        if args.max_model_len is not None:
+            if args.max_model_len > self.max_context:
+                raise SystemExit(f"--max-model-len {args.max_model_len} exceeds {self.model_name}'s context of "
+                                 f"{self.max_context} tokens")
+            self.max_context = args.max_model_len
         self.vocab_size = max(int(cfg.get("vocab_size", 0)), len(self.tokenizer))
         self.api_key = args.api_key.get_secret_value() if args.api_key else None
         self.scope = args.deployment_scope

@@ -289,6 +289,8 @@ class FrontConfig(ProcessConfig):
     dispatch_timeout: float = Field(5.0, gt=0, description="seconds for a prefill worker to accept a request")
     first_token_timeout: float = Field(300.0, gt=0, description="seconds of silence allowed before the first token")
     token_timeout: float = Field(60.0, gt=0, description="seconds of silence allowed between tokens")
+    max_model_len: int | None = Field(None, ge=2, description="longest prompt + output served, in tokens (as "
+                                      "vLLM's --max-model-len): at most the model's context, which is the default")
     kv_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="when a request's KV is lost in transit: recompute it on decode, or fail")
     preposition: bool = Field(True, description="after each request, hint its prefill worker to pre-compute the "

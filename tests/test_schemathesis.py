@@ -38,9 +38,11 @@ SEED = int(os.environ.get("PDSERVE_SCHEMATHESIS_SEED") or secrets.randbelow(2**3
 
 @pytest.fixture(scope="module")
 def front(nats_server, model_dir):
-    # a 503 while a worker is briefly busy would be a documented answer, not a finding: generous dispatch
+    # a 503 while a worker is briefly busy would be a documented answer, not a finding: generous dispatch.
+    # A generated chat request can render to thousands of prompt tokens, minutes of prefill on this CPU and
+    # nothing more for the schema to check: --max-model-len makes those the documented 400 instead.
     with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds,
-                      worker_args={"front": ["--dispatch-timeout", "30"]}) as c:
+                      worker_args={"front": ["--dispatch-timeout", "30", "--max-model-len", "512"]}) as c:
         yield c
 
 
@@ -89,3 +91,19 @@ def test_every_operation_answers_within_its_documented_responses(api, path, meth
         case.call_and_validate(timeout=120, excluded_checks=[positive_data_acceptance])
 
     check()
+
+
+def test_max_model_len_bounds_what_the_front_serves(front):
+    """--max-model-len (512 here) stands in for the model's context: a longer prompt, or a prompt whose
+    max_tokens would pass it, is the documented 400 naming the limit; within it the request is served."""
+    from servinghelpers import post
+
+    with urllib.request.urlopen(front.url + "/v1/models", timeout=10) as r:
+        served = json.loads(r.read())["data"][0]["id"]
+    url = front.url + "/v1/completions"
+    got, out = post(url, {"model": served, "prompt": "word " * 600, "max_tokens": 1})
+    assert got == 400 and out["error"]["code"] == "context_length_exceeded" and "512" in out["error"]["message"]
+    got, out = post(url, {"model": served, "prompt": "word " * 100, "max_tokens": 450})
+    assert got == 400 and out["error"]["code"] == "context_length_exceeded" and "512" in out["error"]["message"]
+    got, out = post(url, {"model": served, "prompt": "word " * 100, "max_tokens": 2, "ignore_eos": True})
+    assert got == 200 and out["usage"]["completion_tokens"] == 2
