@@ -146,6 +146,23 @@ def test_decode_pod_deleted_mid_stream_ends_the_stream_with_an_error_and_its_rep
     name, obj = isvc
     tok, _ = hf
     url, model = front_url(k8s_node, tools, name), obj["spec"]["model"]["name"]
+    # Decode pinned to one replica for this test: in two CI runs the HPA scaled decode 1 -> 2 three seconds
+    # after the deletion (kv_utilization "above target") and back only after its 5-minute stabilization, so
+    # "the replacement" was one of two pods. The HPA's own behaviour is the scaling test's subject.
+    pin = lambda most: tools.kubectl("patch", "pdis", name, "-n", APP_NS, "--type=merge", "-p",  # noqa: E731
+                                     json.dumps({"spec": {"decode": {"autoscaling": {"maxReplicas": most}}}}))
+    before = (obj["spec"].get("decode", {}).get("autoscaling") or {}).get("maxReplicas", 4)
+    pin(1)
+    try:
+        _delete_decode_mid_stream_then_serve(tools, name, url, model, tok, hf)
+    finally:
+        pin(before)
+
+
+def _delete_decode_mid_stream_then_serve(tools, name, url, model, tok, hf):
+    hpa = "horizontalpodautoscalers.v2beta2.autoscaling"
+    wait_for(lambda: tools.get(hpa, f"{name}-decode", "-n", APP_NS)["spec"]["maxReplicas"] == 1,
+             "the decode HPA pinned to one replica", 60)
     (decode,) = wait_pods_ready(tools, APP_NS, selector(name, "decode"), 1)
     # A read bound below the front's 60 s silence bound: the error must come from the registry
     # seeing the worker die (its heartbeat bound), not from the front giving up on silence.
