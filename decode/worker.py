@@ -136,6 +136,7 @@ class DecodeWorker(WorkerBase):
         self.max_running = args.max_running
         self.kv_capacity = args.kv_capacity_bytes
         self._stepping: set[str] = set()
+        self._receiving_ids: set[str] = set()  # requests whose offer was accepted and whose KV is on its way
         self.receiving_tokens = 0  # prompt tokens of accepted handoffs not yet in the pool
         self.draining = False
         self._own_offers = None  # offers routed here, left at the stop
@@ -300,27 +301,40 @@ class DecodeWorker(WorkerBase):
         if self.draining:
             await msg.respond(refuse(f"decode worker {self.worker_id} is draining").encode())
             return
-        if len(self.running) + self.receiving + offer.sampling.n - 1 >= self.max_running:
-            await msg.respond(refuse(f"at capacity ({self.max_running} sequences)").encode())
+        if self._holds(offer.request_id):
+            # A second offer of a request this worker owns: prefill re-offered it (its first offer's reply was
+            # lost, e.g. across a NATS restart). One owner per request: the first stays, this one is refused.
+            await msg.respond(refuse(f"decode worker {self.worker_id} already holds request "
+                                     f"{offer.request_id}").encode())
             return
-        if self.preempted or not self.engine.can_admit(offer.num_tokens + self.receiving_tokens):
-            await msg.respond(refuse(f"no KV capacity for {offer.num_tokens} tokens "
-                                     f"(utilisation {self.engine.utilization():.0%})").encode())
-            return
+        self._receiving_ids.add(offer.request_id)  # reserved now: a duplicate during the awaits below is refused
+        accepted = False
         try:
-            reply = await self.kv_channel.expect(offer)  # picks the transport and compression
-        except (LayoutMismatch, TransferError) as e:
-            await msg.respond(refuse(str(e)).encode())
-            return
-        token = reply.transfer_token
-        first = None
-        if offer.first_token_pending:  # subscribed before replying, so prefill's seq-0 event cannot be missed
-            first = await self._watch_first_token(offer)
-        self.receiving += 1
-        self.receiving_tokens += offer.num_tokens
-        await msg.respond(reply.encode())
-        self.m_handoffs.labels("accepted").inc()
-        self.spawn(self._receive(offer, token, time.monotonic(), first))
+            if len(self.running) + self.receiving + offer.sampling.n - 1 >= self.max_running:
+                await msg.respond(refuse(f"at capacity ({self.max_running} sequences)").encode())
+                return
+            if self.preempted or not self.engine.can_admit(offer.num_tokens + self.receiving_tokens):
+                await msg.respond(refuse(f"no KV capacity for {offer.num_tokens} tokens "
+                                         f"(utilisation {self.engine.utilization():.0%})").encode())
+                return
+            try:
+                reply = await self.kv_channel.expect(offer)  # picks the transport and compression
+            except (LayoutMismatch, TransferError) as e:
+                await msg.respond(refuse(str(e)).encode())
+                return
+            token = reply.transfer_token
+            first = None
+            if offer.first_token_pending:  # subscribed before replying, so prefill's seq-0 event cannot be missed
+                first = await self._watch_first_token(offer)
+            self.receiving += 1
+            self.receiving_tokens += offer.num_tokens
+            accepted = True
+            await msg.respond(reply.encode())
+            self.m_handoffs.labels("accepted").inc()
+            self.spawn(self._receive(offer, token, time.monotonic(), first))
+        finally:
+            if not accepted:
+                self._receiving_ids.discard(offer.request_id)
 
     async def _watch_first_token(self, offer: HandoffOffer):
         """Layer-streamed offer: (future of the first token's ids — None if prefill ended the request
@@ -397,6 +411,7 @@ class DecodeWorker(WorkerBase):
         finally:
             self.receiving -= 1
             self.receiving_tokens -= offer.num_tokens
+            self._receiving_ids.discard(rid)
         if rid in self._cancelled:
             self._cancelled.discard(rid)
             for s in seqs:
@@ -406,6 +421,12 @@ class DecodeWorker(WorkerBase):
             self.running[s.key] = s
         self.m_running.set(len(self.running))
         self._wake.set()
+
+    def _holds(self, request_id: str) -> bool:
+        """Whether this worker already owns `request_id`: its KV on the way, or a sequence of it running,
+        preempted or in the engine."""
+        return (request_id in self._receiving_ids or request_id in self.engine
+                or any(s.request_id == request_id for s in (*self.running.values(), *self.preempted)))
 
     async def _continuation(self, offer: HandoffOffer, first) -> list[Sequence]:
         """The sequences decode continues (one per choice), or none when there is nothing to continue:

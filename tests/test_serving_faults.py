@@ -219,3 +219,22 @@ def test_no_worker_gives_503_within_a_bound(cluster):
     assert time.monotonic() - t0 < 5
     cluster.restart("prefill-0")
     assert greedy_ids(cluster, "The sky is", 3)  # and it serves again once a worker is back
+
+
+def test_a_second_offer_of_a_request_it_holds_is_refused(cluster, nats_server, model_dir, tok):
+    """Prefill re-offers a request when the first offer's reply is lost (across a NATS restart, say), and the
+    re-offer can reach the worker that took the first. One owner per request: that worker refuses it by name
+    and keeps the first. (Accepting it freed the first's KV under its running sequence: the soak's 500s.)"""
+    ids = tok.encode("The three primary colours are", add_special_tokens=False)
+    offer = _make_offer(_layout(model_dir), ids, ids[0], "fail", "offered-twice")
+
+    async def go():
+        async with await nats.connect(**nats_server.creds.connect_kwargs()) as nc:
+            subject = Subjects.decode_handoff(cluster.scope, "decode-0")
+            first = HandoffReply.decode((await nc.request(subject, offer.encode(), timeout=5)).data)
+            second = HandoffReply.decode((await nc.request(subject, offer.encode(), timeout=5)).data)
+            return first, second
+
+    first, second = asyncio.run(go())
+    assert first.accepted, first
+    assert not second.accepted and "already holds request offered-twice" in second.error, second
