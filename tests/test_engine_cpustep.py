@@ -145,3 +145,19 @@ def test_only_norms_that_equal_f_rms_norm_are_fused():
     assert cpustep.fuse_rms_norms(model) == 4  # the layers' norms, not the odd one
     assert isinstance(model.model.layers[0].input_layernorm, FusedRMSNorm)
     assert isinstance(model.model.norm, OffsetRMSNorm)
+
+
+def test_a_bfloat16_llama_norm_is_fused_in_its_upcast_form_bit_for_bit():
+    """In bfloat16 transformers' Llama norm normalises in float32 and scales in bfloat16: not `F.rms_norm` in
+    bfloat16, but `FusedRMSNorm`'s upcast form, which must give the model's own logits bit for bit."""
+    model = tiny(t.LlamaForCausalLM, t.LlamaConfig).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    for m in model.modules():  # a trained model's norm weights (a fresh one's are ones, where both forms agree)
+        if "RMSNorm" in type(m).__name__:
+            m.weight.data = (1 + torch.randn(m.weight.shape, generator=gen)).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        assert cpustep.fuse_rms_norms(model) == 2 * 2 + 1
+        assert all(m.upcast for m in model.modules() if isinstance(m, FusedRMSNorm))
+        assert torch.equal(model(ids).logits, ref(ids).logits)
