@@ -30,7 +30,10 @@ What transformers' decoder-only models ask of attention, per layer (all optional
                       (Gemma 2's ``attn_logit_softcapping``).
 
 Returns ``out [T, q_heads, head_dim]`` in q's dtype (the kernel needs q and kv_pool to share it).
-Scores, softmax and the weighted sum accumulate in float32 in both implementations (the kernel with an
+Three implementations: the Triton kernel (GPU), the native CPU kernel (`kernels/cpu_attention.c`, built at
+first use; decode and verification rows, read in place from the pool) and the torch reference (prompt
+chunks on a CPU, and wherever the others cannot run).
+Scores, softmax and the weighted sum accumulate in float32 in all of them (the kernel with an
 online softmax over KV tiles); with a float32 pool the kernel's dots are IEEE float32 (never TF32),
 so the two agree to float32 rounding. With bf16/fp16 pools the kernel multiplies on tensor cores in
 that dtype (probabilities rounded to it before P @ V, as flash attention does).
@@ -40,6 +43,7 @@ head_dim] at slot = block * block_size + offset (negative slots are padding and 
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -553,6 +557,38 @@ def paged_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, block_tables:
     return out
 
 
+NATIVE_MAX_ROWS = 16  # a sequence's query rows up to which the native CPU kernel beats the reference's SDPA
+
+
+def _paged_attention_cpu(q, kv_pool, block_tables, seq_lens, query_start, scale, runs, **extra) -> torch.Tensor:
+    """The native CPU kernel for sequences of at most `NATIVE_MAX_ROWS` queries (decode, verification), the
+    reference (SDPA's blocked matmuls) for longer ones (prompt chunks), in one ragged batch."""
+    from pdserve.kernels import cpu_attention
+
+    t, q_heads, _, _, block_size, s = _check_inputs(q, kv_pool, block_tables, seq_lens, query_start)
+    starts = query_start.tolist()
+    _check_values(t, block_size, block_tables.shape[1], seq_lens.tolist(), starts)
+    if extra.get("sinks") is not None:
+        _check_sinks(extra["sinks"], q_heads)
+    counts = [b - a for a, b in zip(starts, starts[1:])]
+    long = [i for i, n in enumerate(counts) if n > NATIVE_MAX_ROWS]
+    if not long:
+        return cpu_attention.paged_attention_cpu(q, kv_pool, block_tables, seq_lens, query_start, scale, **extra)
+    if len(long) == s:
+        return paged_attention_reference(q, kv_pool, block_tables, seq_lens, query_start, scale, runs, **extra)
+    out = torch.empty_like(q)
+    short = [i for i, n in enumerate(counts) if n <= NATIVE_MAX_ROWS]
+    for part, fn in ((short, cpu_attention.paged_attention_cpu), (long, paged_attention_reference)):
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in part])
+        sub_starts = torch.tensor([0, *itertools.accumulate(counts[i] for i in part)], dtype=torch.int32)
+        idx = torch.tensor(part)
+        args = (q[rows], kv_pool, block_tables[idx], seq_lens[idx], sub_starts, scale)
+        if fn is paged_attention_reference:
+            args += (None if runs is None else [runs[i] for i in part],)
+        out[rows] = fn(*args, **extra)
+    return out
+
+
 def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start: torch.Tensor, scale: float, *, impl: str = "auto",
                     runs: list[int] | None = None, sliding_window: int | None = None,
@@ -560,15 +596,22 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.
     """Causal attention of ragged queries q [T, q_heads, head_dim] over a paged KV pool -> [T, q_heads, head_dim].
 
     See the module docstring for shapes and semantics (and the sliding window, sinks and soft cap).
-    ``impl``: "triton", "reference", or "auto" (Triton when q is on CUDA or TRITON_INTERPRET=1 is set,
-    else the reference). ``runs``: an optional hint for the reference (see
-    :func:`paged_attention_reference`); the kernel reads blocks in place anyway.
+    ``impl``: "triton", "cpu" (the native CPU kernel, `kernels.cpu_attention`, for sequences of up to
+    `NATIVE_MAX_ROWS` queries where it is built and takes the pool's dtype; the reference for the rest), "reference", or "auto" (Triton when q is on CUDA or
+    TRITON_INTERPRET=1 is set, else "cpu"). ``runs``: an optional hint for the reference (see
+    :func:`paged_attention_reference`); the kernels read blocks in place anyway.
     """
     extra = dict(sliding_window=sliding_window, sinks=sinks, softcap=softcap)
     if impl == "auto":
-        impl = "triton" if (q.is_cuda or _interpreting()) else "reference"
+        impl = "triton" if (q.is_cuda or _interpreting()) else "cpu"
     if impl == "triton":
         return paged_attention_triton(q, kv_pool, block_tables, seq_lens, query_start, scale, **extra)
+    if impl == "cpu":
+        from pdserve.kernels import cpu_attention
+
+        if cpu_attention.supports(q, kv_pool):
+            return _paged_attention_cpu(q, kv_pool, block_tables, seq_lens, query_start, scale, runs, **extra)
+        impl = "reference"
     if impl == "reference":
         return paged_attention_reference(q, kv_pool, block_tables, seq_lens, query_start, scale, runs, **extra)
-    raise ValueError(f"impl must be 'auto', 'triton' or 'reference', got {impl!r}")
+    raise ValueError(f"impl must be 'auto', 'triton', 'cpu' or 'reference', got {impl!r}")

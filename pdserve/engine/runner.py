@@ -28,7 +28,7 @@ class PagedRunner:
 
     `num_blocks` sizes the pool: each block holds `block_size` tokens of every layer
     (`layout.block_bytes * num_layers` bytes). `attention_impl` is passed to
-    `paged_attention` ("reference" on the CPU, "auto" elsewhere by default). `prefix_cache=False`
+    `paged_attention` ("cpu" on the CPU: the native kernel where it builds, else the reference; "auto" elsewhere). `prefix_cache=False`
     publishes no blocks to the prefix cache (decode, which never looks prompts up): freed blocks
     are then truly free, which keeps the pool's free space in long runs. `small_step_weights=False` leaves
     out the extra CPU weight layouts for steps of 2-12 rows (see `cpustep.CpuLinear`): prefill has no use for them.
@@ -50,7 +50,7 @@ class PagedRunner:
     ):
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
-        impl = attention_impl or ("reference" if self.device.type == "cpu" else "auto")
+        impl = attention_impl or ("cpu" if self.device.type == "cpu" else "auto")
         model = HFPagedModel.from_pretrained(self.model_dir, dtype=dtype, device=self.device, attention_impl=impl,
                                              small_step_weights=small_step_weights)
         shape = dict(num_layers=len(model.layers), kv_heads=model.kv_heads, head_dim=model.head_dim,

@@ -1,0 +1,253 @@
+/* Paged attention on the CPU: the contract of kernels/paged_attention.py, read in place from the pool.
+ *
+ * The torch reference gathers each sequence's K and V, converts them to float32 (two copies of the
+ * whole context, per layer, per step), then runs 8-10 small ops; at batch 16 on a 2-core CPU that was
+ * a third of a bfloat16 decode step. Here each key and value row is read once from its block, widened to
+ * float32 in registers, and used for every query row of its KV head (GQA's group, and a verification's
+ * k + 1 rows) while it is in cache.
+ *
+ * Arithmetic, the same for every row count (so a k-row verification computes each row exactly as a
+ * one-row step does): float32 scores q . k as 16 independent lanes summed in a fixed order, times the
+ * scale, an optional soft cap, the causal / sliding-window mask, a softmax over the visible keys (and an
+ * optional sink logit), then the probability-weighted sum of the values in key order. No fast-math: the
+ * compiler vectorises the lanes, not the reductions.
+ *
+ * Built once per machine by kernels/cpu_attention.py (cc -O3 -march=native), called through ctypes.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define MAX_VEC 16 /* head_dim up to 256 in registers */
+#endif
+#if defined(PDSERVE_LIBMVEC)
+/* glibc's vector expf (libmvec, <= 1 ULP), declared as its math.h does only under fast-math */
+#pragma omp declare simd notinbranch
+extern float expf(float);
+#endif
+
+#define LANES 16
+
+static inline float widen_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    float acc[LANES] = {0};
+    int d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int i = 0; i < LANES; i++) acc[i] += a[d + i] * b[d + i];
+    float tail = 0.0f;
+    for (; d < n; d++) tail += a[d] * b[d];
+    /* the lanes summed as a tree (fixed order, vector-wide steps) */
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) acc[i] += acc[i + w];
+    return acc[0] + tail;
+}
+
+/* One row of K or V at element offset `off` of the pool, as float32 into `dst`. */
+static inline void load_row(const void *kv, int bf16, int64_t off, int n, float *dst) {
+    if (bf16) {
+        const uint16_t *p = (const uint16_t *)kv + off;
+        for (int d = 0; d < n; d++) dst[d] = widen_bf16(p[d]);
+    } else {
+        memcpy(dst, (const float *)kv + off, (size_t)n * sizeof(float));
+    }
+}
+
+#if defined(__AVX512F__)
+static inline __m512 load16(const void *kv, int bf16, int64_t off) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)kv + off));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)kv + off);
+}
+
+/* The scores of every query row of KV head h against keys first..len-1: each key row is loaded (and
+ * widened) into registers once, then dotted with each row's query, 16 lanes reduced by the fixed
+ * _mm512_reduce_add_ps sequence. */
+static inline __attribute__((always_inline)) void score_rows_v(
+        const float *q, const void *kv, int bf16, int64_t head_off, int64_t s_block, int64_t s_tok,
+        const int32_t *table, int block_size, int first, int len, int n, int q0, int q_heads, int h, int group,
+        int D, float scale, int window, float softcap, float *scores, const int V) {
+    const int keys = len - first;
+    __m512 k[MAX_VEC];
+    for (int c = 0; c < keys; c++) {
+        const int pos = first + c;
+        const int64_t off = head_off + (int64_t)table[pos / block_size] * s_block + (int64_t)(pos % block_size) * s_tok;
+        for (int i = 0; i < V; i++) k[i] = load16(kv, bf16, off + 16 * i);
+        for (int j = 0; j < n; j++) {
+            const int qpos = len - n + j;
+            const int visible = pos <= qpos && (window <= 0 || pos > qpos - window);
+            for (int g = 0; g < group; g++) {
+                float x = -INFINITY;
+                if (visible) {
+                    const float *qr = q + ((int64_t)(q0 + j) * q_heads + h * group + g) * D;
+                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), k[0]);
+                    for (int i = 1; i < V; i++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * i), k[i], acc);
+                    x = _mm512_reduce_add_ps(acc) * scale;
+                    if (softcap > 0.0f) x = tanhf(x / softcap) * softcap;
+                }
+                scores[(int64_t)(j * group + g) * keys + c] = x;
+            }
+        }
+    }
+}
+
+/* acc[r] += p[r][c] * v[c] over the keys, each value row loaded (and widened) into registers once. */
+static inline __attribute__((always_inline)) void value_rows_v(
+        const void *kv, int bf16, int64_t head_off, int64_t s_block, int64_t s_tok, const int32_t *table,
+        int block_size, int first, int keys, int R, int D, const float *scores, float *acc, const int V) {
+    __m512 v[MAX_VEC];
+    for (int c = 0; c < keys; c++) {
+        const int pos = first + c;
+        const int64_t off = head_off + (int64_t)table[pos / block_size] * s_block + (int64_t)(pos % block_size) * s_tok;
+        for (int i = 0; i < V; i++) v[i] = load16(kv, bf16, off + 16 * i);
+        for (int r = 0; r < R; r++) {
+            const float p = scores[(int64_t)r * keys + c];
+            if (p == 0.0f) continue; /* masked (or underflowed) keys add nothing, NaN values included */
+            const __m512 pv = _mm512_set1_ps(p);
+            float *a = acc + (int64_t)r * D;
+            for (int i = 0; i < V; i++) _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(pv, v[i], _mm512_loadu_ps(a + 16 * i)));
+        }
+    }
+}
+
+/* head_dim 64 and 128 (most models) with the vector count known, so the rows stay in registers */
+static void score_rows_avx512(const float *q, const void *kv, int bf16, int64_t head_off, int64_t s_block,
+                              int64_t s_tok, const int32_t *table, int block_size, int first, int len, int n, int q0,
+                              int q_heads, int h, int group, int D, float scale, int window, float softcap,
+                              float *scores) {
+#define SCORE_ARGS q, kv, bf16, head_off, s_block, s_tok, table, block_size, first, len, n, q0, q_heads, h, group, D, \
+                   scale, window, softcap, scores
+    if (D == 64) score_rows_v(SCORE_ARGS, 4);
+    else if (D == 128) score_rows_v(SCORE_ARGS, 8);
+    else score_rows_v(SCORE_ARGS, D / 16);
+}
+
+static void value_rows_avx512(const void *kv, int bf16, int64_t head_off, int64_t s_block, int64_t s_tok,
+                              const int32_t *table, int block_size, int first, int keys, int R, int D,
+                              const float *scores, float *acc) {
+#define VALUE_ARGS kv, bf16, head_off, s_block, s_tok, table, block_size, first, keys, R, D, scores, acc
+    if (D == 64) value_rows_v(VALUE_ARGS, 4);
+    else if (D == 128) value_rows_v(VALUE_ARGS, 8);
+    else value_rows_v(VALUE_ARGS, D / 16);
+}
+#endif
+
+/*
+ * q [T, q_heads, D] float32 contiguous; out the same. kv: the layer's pool with element strides
+ * s_kv (K -> V), s_head, s_block, s_tok (a row's D elements contiguous); bf16 != 0: bfloat16 elements, else
+ * float32. block_tables [S, bt_stride] int32, seq_lens [S], query_start [S + 1]. window <= 0: none;
+ * softcap <= 0: none; sinks NULL or [q_heads] float32.
+ * Returns 0, or 1 + the index of a sequence whose table names a block outside 0..num_blocks-1 (out untouched
+ * for it), or -1 when memory for the scores could not be had.
+ */
+int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16, int64_t s_kv, int64_t s_head,
+                            int64_t s_block, int64_t s_tok, int64_t num_blocks, const int32_t *block_tables,
+                            int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start, int S,
+                            int q_heads, int kv_heads, int D, int block_size, float scale, int window,
+                            float softcap, const float *sinks) {
+    const int group = q_heads / kv_heads;
+    float *row = malloc((size_t)D * sizeof(float));
+    float *scores = NULL, *acc = NULL;
+    size_t scores_cap = 0, acc_cap = 0;
+    int rc = 0;
+    if (!row) return -1;
+    for (int s = 0; s < S && rc == 0; s++) {
+        const int q0 = query_start[s], n = query_start[s + 1] - q0, len = seq_lens[s];
+        if (n <= 0) continue;
+        const int32_t *table = block_tables + (int64_t)s * bt_stride;
+        int first = 0;
+        if (window > 0 && len - n - window + 1 > first) first = len - n - window + 1;
+        const int keys = len - first, R = n * group;
+        int bad = 0;
+        for (int b = first / block_size; b <= (len - 1) / block_size; b++)
+            if (table[b] < 0 || table[b] >= num_blocks) bad = 1;
+        if (bad) { rc = 1 + s; break; }
+        if ((size_t)R * keys > scores_cap) {
+            free(scores);
+            scores_cap = (size_t)R * keys;
+            scores = malloc(scores_cap * sizeof(float));
+            if (!scores) { rc = -1; break; }
+        }
+        if ((size_t)R * D > acc_cap) {
+            free(acc);
+            acc_cap = (size_t)R * D;
+            acc = malloc(acc_cap * sizeof(float));
+            if (!acc) { rc = -1; break; }
+        }
+        for (int h = 0; h < kv_heads; h++) {
+            /* scores[r][c], r = j * group + g: query row j, query head h * group + g */
+#if defined(__AVX512F__)
+            if (D % 16 == 0 && D / 16 <= MAX_VEC) {
+                score_rows_avx512(q, kv, bf16, h * s_head, s_block, s_tok, table, block_size, first, len, n, q0,
+                                  q_heads, h, group, D, scale, window, softcap, scores);
+            } else
+#endif
+            for (int c = 0; c < keys; c++) {
+                const int pos = first + c;
+                const int64_t off = h * s_head + (int64_t)table[pos / block_size] * s_block + (int64_t)(pos % block_size) * s_tok;
+                load_row(kv, bf16, off, D, row);
+                for (int j = 0; j < n; j++) {
+                    const int qpos = len - n + j;
+                    const int visible = pos <= qpos && (window <= 0 || pos > qpos - window);
+                    for (int g = 0; g < group; g++) {
+                        float x = -INFINITY;
+                        if (visible) {
+                            x = dot(q + ((int64_t)(q0 + j) * q_heads + h * group + g) * D, row, D) * scale;
+                            if (softcap > 0.0f) x = tanhf(x / softcap) * softcap;
+                        }
+                        scores[(int64_t)(j * group + g) * keys + c] = x;
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                float *sc = scores + (int64_t)r * keys;
+                const float sink = sinks ? sinks[h * group + r % group] : -INFINITY;
+                float m = sink;
+                for (int c = 0; c < keys; c++) m = sc[c] > m ? sc[c] : m;
+                float sum = sinks ? expf(sink - m) : 0.0f;
+#pragma omp simd
+                for (int c = 0; c < keys; c++) sc[c] = expf(sc[c] - m);
+                for (int c = 0; c < keys; c++) sum += sc[c];
+                const float inv = 1.0f / sum;
+                for (int c = 0; c < keys; c++) sc[c] *= inv;
+            }
+            memset(acc, 0, (size_t)R * D * sizeof(float));
+#if defined(__AVX512F__)
+            if (D % 16 == 0 && D / 16 <= MAX_VEC) {
+                value_rows_avx512(kv, bf16, s_kv + h * s_head, s_block, s_tok, table, block_size, first, keys, R, D,
+                                  scores, acc);
+            } else
+#endif
+            for (int c = 0; c < keys; c++) {
+                const int pos = first + c;
+                const int64_t off = s_kv + h * s_head + (int64_t)table[pos / block_size] * s_block +
+                                    (int64_t)(pos % block_size) * s_tok;
+                load_row(kv, bf16, off, D, row);
+                for (int r = 0; r < R; r++) {
+                    const float p = scores[(int64_t)r * keys + c];
+                    if (p == 0.0f) continue; /* masked (or underflowed) keys add nothing, NaN values included */
+                    float *a = acc + (int64_t)r * D;
+                    for (int d = 0; d < D; d++) a[d] += p * row[d];
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const int j = r / group, g = r % group;
+                memcpy(out + ((int64_t)(q0 + j) * q_heads + h * group + g) * D, acc + (int64_t)r * D,
+                       (size_t)D * sizeof(float));
+            }
+        }
+    }
+    free(row);
+    free(scores);
+    free(acc);
+    return rc;
+}
