@@ -8,6 +8,9 @@ every earlier request's prompt and output. The workload (`shared_agent`): for ea
 the index, nothing is measured), then `--variants` later sessions send the same conversation with
 their own session line in the last user turn (so no prompt is repeated verbatim) and are measured.
 `free_chat` (questions sharing nothing) checks that the pool costs nothing where it cannot help.
+`pool_killed` (unless `--no-kill`): more later sessions of the same conversations; the pool process is
+SIGKILLed while the first of them decodes on P, which must still finish with the same tokens, and the
+rest run on P (pool gone: prompt lookup after failed asks) and on L (local), whose rates are compared.
 
 Two clusters on one NATS server, one torch thread each: P decodes with prompt lookup and the pool
 (`--draft-pool`, plus a `pdserve draftpool` process), L with prompt lookup alone. Each measured
@@ -17,7 +20,7 @@ counts tokens after the first over the time after it. From P's decode worker's /
 accepted tokens by drafter (local prompt lookup vs pool), and the pool's round trip as a share of
 the decode step time.
 
-    python bench/draft_pool.py [--limit 3] [--variants 2] [--json out.json]
+    python bench/draft_pool.py [--limit 3] [--variants 2] [--no-kill] [--json out.json]
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import argparse
 import json
 import os
 import sys
+import threading
+import time
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -81,6 +86,27 @@ def summarize(name: str, rows: list[dict], before: dict, after: dict) -> dict:
             "same_tokens": all(r["pool"]["text"] == r["local"]["text"] == r["plain"]["text"] for r in rows)}
 
 
+def summarize_kill(first: dict, rows: list[dict], before: dict, after: dict, killed_at: float,
+                   pool_down_s: float) -> dict:
+    """The pool killed mid-run: the request decoding at the kill, then the later ones on P (pool gone) vs L."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+    def tok_s(key):
+        return sum(r[key]["tokens"] - 1 for r in rows) / sum(r[key]["decode_s"] for r in rows)
+
+    failed = {o: d.get(f'pdserve_spec_pool_asks_total{{outcome="{o}"}}', 0.0) for o in ("timeout", "unavailable", "error")}
+    return {"workload": "pool_killed", "prompts": len(rows), "tokens": sum(r["pool"]["tokens"] for r in rows),
+            "killed_after_s": killed_at, "pool_gone_s": pool_down_s,
+            "in_flight_same_tokens": first["pool"]["text"] == first["local"]["text"],
+            "in_flight_tokens": first["pool"]["tokens"], "in_flight_pool_tok_s": rate(first["pool"]),
+            "in_flight_local_tok_s": rate(first["local"]),
+            "local_tok_s": tok_s("local"), "pool_dead_tok_s": tok_s("pool"),
+            "pool_dead_over_local": tok_s("pool") / tok_s("local"),
+            "failed_asks": failed, "skipped_asks": d.get('pdserve_spec_pool_asks_total{outcome="skipped"}', 0.0),
+            "answered_asks": d.get('pdserve_spec_pool_asks_total{outcome="answered"}', 0.0),
+            "same_tokens": all(r["pool"]["text"] == r["local"]["text"] for r in [first, *rows])}
+
+
 def main() -> int:
     from pdserve.local import LocalCluster
     from pdserve.modelstore import resolve_model
@@ -92,6 +118,9 @@ def main() -> int:
     p.add_argument("--variants", type=int, default=2, help="measured later sessions per base conversation")
     p.add_argument("--free-chat", type=int, default=3, help="free chat prompts")
     p.add_argument("--max-k", type=int, default=8)
+    p.add_argument("--no-kill", action="store_true", help="skip the pool-killed phase")
+    p.add_argument("--kill-after", type=float, default=1.5,
+                   help="seconds into the first pool_killed request (on P) at which the pool is SIGKILLed")
     p.add_argument("--json", default=None)
     p.add_argument("--log-dir", default=None, help="keep the clusters' logs here")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -143,6 +172,32 @@ def main() -> int:
                           f"pool {rate(row['pool']):.2f} tok/s", flush=True)
                 summary.append(summarize(workload, rows, before, scrape(metrics)))
                 results += rows
+            if not a.no_kill:
+                killed = [session_variant(wp, a.variants + 1) for wp in bases]
+                before = scrape(metrics)
+                first = {"workload": "pool_killed", "prompt": killed[0].name, "local": run("local", killed[0])}
+                out: dict = {}
+                t = threading.Thread(target=lambda: out.update(pool=run("pool", killed[0])))
+                t0 = time.perf_counter()
+                t.start()
+                time.sleep(a.kill_after)
+                P.kill("draftpool")
+                killed_at, gone = time.perf_counter() - t0, time.perf_counter()
+                t.join()
+                first["pool"] = out["pool"]  # raises KeyError if that request failed: the bench's claim is it does not
+                print(f"  pool killed {killed_at:.2f} s into {killed[0].name}: it finished with "
+                      f"{first['pool']['tokens']} tokens, {'the same' if first['pool']['text'] == first['local']['text'] else 'OTHER'} "
+                      f"tokens as local", flush=True)
+                rows = []
+                for j, wp in enumerate(killed[1:]):
+                    row = {"workload": "pool_killed", "prompt": wp.name}
+                    for key in (("local", "pool") if j % 2 else ("pool", "local")):
+                        row[key] = run(key, wp)
+                    rows.append(row)
+                    print(f"  pool_killed/{wp.name}: local {rate(row['local']):.2f}, pool gone {rate(row['pool']):.2f} tok/s",
+                          flush=True)
+                kill_summary = summarize_kill(first, rows, before, scrape(metrics), killed_at, time.perf_counter() - gone)
+                results += [first, *rows]
     finally:
         nats.close()
 
@@ -156,6 +211,16 @@ def main() -> int:
               f"{s['local_tok_s']:>6.2f} {s['pool_tok_s']:>6.2f} | {s['pool_over_local']:>9.2f}x "
               f"{s['pool_over_plain']:>9.2f}x | {s['acceptance_local_drafter']:>9.2f} "
               f"{s['acceptance_pool_drafter']:>8.2f} {s['pool_rtt_share_of_step']:>8.3f} {str(s['same_tokens']):>5}")
+    if not a.no_kill:
+        k = kill_summary
+        f = k["failed_asks"]
+        print(f"\npool killed {k['killed_after_s']:.2f} s into a request: it finished ({k['in_flight_tokens']} tokens, "
+              f"same tokens as local: {k['in_flight_same_tokens']}; {k['in_flight_pool_tok_s']:.2f} vs local "
+              f"{k['in_flight_local_tok_s']:.2f} tok/s). Then {k['prompts']} requests over {k['pool_gone_s']:.0f} s with the "
+              f"pool gone: {k['pool_dead_tok_s']:.2f} tok/s vs local {k['local_tok_s']:.2f} "
+              f"({k['pool_dead_over_local']:.3f}x); failed asks {f['unavailable']:.0f} no responders, {f['timeout']:.0f} "
+              f"timed out, {f['error']:.0f} errors; {k['skipped_asks']:.0f} skipped in back-off; same tokens: {k['same_tokens']}")
+        summary.append(kill_summary)
     if a.json:
         Path(a.json).write_text(json.dumps({"summary": summary, "runs": results}, indent=2))
     return 0
