@@ -50,6 +50,11 @@ static inline float dot(const float *a, const float *b, int n) {
     return acc[0] + tail;
 }
 
+/* Element offset of cache position `pos`'s row in its block (within one head of K or V). */
+static inline int64_t row_at(const int32_t *table, int pos, int block_size, int64_t s_block, int64_t s_tok) {
+    return (int64_t)table[pos / block_size] * s_block + (int64_t)(pos % block_size) * s_tok;
+}
+
 /* One row of K or V at element offset `off` of the pool, as float32 into `dst`. */
 static inline void load_row(const void *kv, int bf16, int64_t off, int n, float *dst) {
     if (bf16) {
@@ -80,7 +85,7 @@ static inline __attribute__((always_inline)) void score_rows_v(
     __m512 k[MAX_VEC];
     for (int c = 0; c < keys; c++) {
         const int pos = first + c;
-        const int64_t off = head_off + (int64_t)table[pos / block_size] * s_block + (int64_t)(pos % block_size) * s_tok;
+        const int64_t off = head_off + row_at(table, pos, block_size, s_block, s_tok);
         for (int i = 0; i < V; i++) k[i] = load16(kv, bf16, off + 16 * i);
         for (int j = 0; j < n; j++) {
             const int qpos = len - n + j;
@@ -107,7 +112,7 @@ static inline __attribute__((always_inline)) void value_rows_v(
     __m512 v[MAX_VEC];
     for (int c = 0; c < keys; c++) {
         const int pos = first + c;
-        const int64_t off = head_off + (int64_t)table[pos / block_size] * s_block + (int64_t)(pos % block_size) * s_tok;
+        const int64_t off = head_off + row_at(table, pos, block_size, s_block, s_tok);
         for (int i = 0; i < V; i++) v[i] = load16(kv, bf16, off + 16 * i);
         for (int r = 0; r < R; r++) {
             const float p = scores[(int64_t)r * keys + c];
@@ -193,7 +198,7 @@ int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16
 #endif
             for (int c = 0; c < keys; c++) {
                 const int pos = first + c;
-                const int64_t off = h * s_head + (int64_t)table[pos / block_size] * s_block + (int64_t)(pos % block_size) * s_tok;
+                const int64_t off = h * s_head + row_at(table, pos, block_size, s_block, s_tok);
                 load_row(kv, bf16, off, D, row);
                 for (int j = 0; j < n; j++) {
                     const int qpos = len - n + j;
@@ -229,8 +234,7 @@ int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16
 #endif
             for (int c = 0; c < keys; c++) {
                 const int pos = first + c;
-                const int64_t off = s_kv + h * s_head + (int64_t)table[pos / block_size] * s_block +
-                                    (int64_t)(pos % block_size) * s_tok;
+                const int64_t off = s_kv + h * s_head + row_at(table, pos, block_size, s_block, s_tok);
                 load_row(kv, bf16, off, D, row);
                 for (int r = 0; r < R; r++) {
                     const float p = scores[(int64_t)r * keys + c];
