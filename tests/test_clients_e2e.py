@@ -67,6 +67,11 @@ def test_openai_completions_n_and_logprobs(client):
 
 
 def test_openai_chat_logprobs_streaming_and_not(client):
+    # Both measured requests must take the same path: the first request of a prompt computes all of it, a
+    # later one reuses its cached blocks and computes only the rest, through other kernels (float32 rounding
+    # apart by ~1e-6 of the logits' scale, enough to move a logprob by 1e-5). One request first, so both
+    # measured ones are prefix-cache hits and streaming is the only difference between them.
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, temperature=0)
     full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
                                           top_logprobs=3)
     content = full.choices[0].logprobs.content
