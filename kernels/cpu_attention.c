@@ -74,6 +74,14 @@ static inline __m512 load16(const void *kv, int bf16, int64_t off) {
     return _mm512_loadu_ps((const float *)kv + off);
 }
 
+/* Cache position `pos`'s row of one head of K or V into V registers (widened to float32). */
+static inline __attribute__((always_inline)) void load_vrow(__m512 *dst, const void *kv, int bf16, int64_t head_off,
+                                                            const int32_t *table, int pos, int block_size,
+                                                            int64_t s_block, int64_t s_tok, const int V) {
+    const int64_t off = head_off + row_at(table, pos, block_size, s_block, s_tok);
+    for (int i = 0; i < V; i++) dst[i] = load16(kv, bf16, off + 16 * i);
+}
+
 /* The scores of every query row of KV head h against keys first..len-1: each key row is loaded (and
  * widened) into registers once, then dotted with each row's query, 16 lanes reduced by the fixed
  * _mm512_reduce_add_ps sequence. */
@@ -85,8 +93,7 @@ static inline __attribute__((always_inline)) void score_rows_v(
     __m512 k[MAX_VEC];
     for (int c = 0; c < keys; c++) {
         const int pos = first + c;
-        const int64_t off = head_off + row_at(table, pos, block_size, s_block, s_tok);
-        for (int i = 0; i < V; i++) k[i] = load16(kv, bf16, off + 16 * i);
+        load_vrow(k, kv, bf16, head_off, table, pos, block_size, s_block, s_tok, V);
         for (int j = 0; j < n; j++) {
             const int qpos = len - n + j;
             const int visible = pos <= qpos && (window <= 0 || pos > qpos - window);
@@ -112,8 +119,7 @@ static inline __attribute__((always_inline)) void value_rows_v(
     __m512 v[MAX_VEC];
     for (int c = 0; c < keys; c++) {
         const int pos = first + c;
-        const int64_t off = head_off + row_at(table, pos, block_size, s_block, s_tok);
-        for (int i = 0; i < V; i++) v[i] = load16(kv, bf16, off + 16 * i);
+        load_vrow(v, kv, bf16, head_off, table, pos, block_size, s_block, s_tok, V);
         for (int r = 0; r < R; r++) {
             const float p = scores[(int64_t)r * keys + c];
             if (p == 0.0f) continue; /* masked (or underflowed) keys add nothing, NaN values included */

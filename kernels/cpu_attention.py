@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.modelstore import cache_dir
+
 log = logging.getLogger("pdserve.kernels.cpu_attention")
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -47,16 +49,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cache() -> Path:
-    base = os.environ.get("PDSERVE_CACHE")
-    return (Path(base) if base else Path.home() / ".cache" / "pdserve") / "kernels"
-
-
 def library_path(compiler: str) -> Path:
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, *map(" ".join, VARIANTS), platform.machine(),
                                     _cpu_flags()])
                          .encode()).hexdigest()[:16]
-    return _cache() / f"cpu_attention-{key}.so"
+    return cache_dir() / "kernels" / f"cpu_attention-{key}.so"
 
 
 def _build() -> ctypes.CDLL | None:
@@ -117,7 +114,7 @@ def paged_attention_cpu(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: to
                         query_start: torch.Tensor, scale: float, *, sliding_window: int | None = None,
                         sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """`paged_attention`'s contract (inputs already checked by it), computed by the native kernel."""
-    t, q_heads, head_dim = q.shape
+    _, q_heads, head_dim = q.shape
     num_blocks, _, kv_heads, block_size, _ = kv_pool.shape
     qf = q.to(torch.float32).contiguous()
     out = torch.empty_like(qf)

@@ -51,6 +51,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pdserve.kernels import cpu_attention
+
 __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_triton", "write_kv"]
 
 
@@ -563,19 +565,17 @@ NATIVE_MAX_ROWS = 16  # a sequence's query rows up to which the native CPU kerne
 def _paged_attention_cpu(q, kv_pool, block_tables, seq_lens, query_start, scale, runs, **extra) -> torch.Tensor:
     """The native CPU kernel for sequences of at most `NATIVE_MAX_ROWS` queries (decode, verification), the
     reference (SDPA's blocked matmuls) for longer ones (prompt chunks), in one ragged batch."""
-    from pdserve.kernels import cpu_attention
-
-    t, q_heads, _, _, block_size, s = _check_inputs(q, kv_pool, block_tables, seq_lens, query_start)
     starts = query_start.tolist()
+    counts = [b - a for a, b in zip(starts, starts[1:])]
+    long = [i for i, n in enumerate(counts) if n > NATIVE_MAX_ROWS]
+    if long and len(long) == len(counts):  # prompt chunks only: the reference, which checks its inputs itself
+        return paged_attention_reference(q, kv_pool, block_tables, seq_lens, query_start, scale, runs, **extra)
+    t, q_heads, _, _, block_size, _ = _check_inputs(q, kv_pool, block_tables, seq_lens, query_start)
     _check_values(t, block_size, block_tables.shape[1], seq_lens.tolist(), starts)
     if extra.get("sinks") is not None:
         _check_sinks(extra["sinks"], q_heads)
-    counts = [b - a for a, b in zip(starts, starts[1:])]
-    long = [i for i, n in enumerate(counts) if n > NATIVE_MAX_ROWS]
     if not long:
         return cpu_attention.paged_attention_cpu(q, kv_pool, block_tables, seq_lens, query_start, scale, **extra)
-    if len(long) == s:
-        return paged_attention_reference(q, kv_pool, block_tables, seq_lens, query_start, scale, runs, **extra)
     out = torch.empty_like(q)
     short = [i for i, n in enumerate(counts) if n <= NATIVE_MAX_ROWS]
     for part, fn in ((short, cpu_attention.paged_attention_cpu), (long, paged_attention_reference)):
@@ -607,8 +607,6 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.
     if impl == "triton":
         return paged_attention_triton(q, kv_pool, block_tables, seq_lens, query_start, scale, **extra)
     if impl == "cpu":
-        from pdserve.kernels import cpu_attention
-
         if cpu_attention.supports(q, kv_pool):
             return _paged_attention_cpu(q, kv_pool, block_tables, seq_lens, query_start, scale, runs, **extra)
         impl = "reference"
