@@ -154,7 +154,8 @@ class SpeculationConfig(Settings):
                                       "a plain step is less)")
     calibrate: bool = Field(
         True, description="measure the engine step's cost per row count and its fastest weight layout on this "
-                          "machine at start (cached per model, device and dtype) and choose k from those costs")
+                          "machine at start (cached per model, device and dtype): every decode step takes that "
+                          "layout, and speculation chooses k from those costs")
 
 
 # ------------------------------------------------------------------------------------------ processes
@@ -248,8 +249,8 @@ class DecodeConfig(WorkerConfig):
         "auto", description="paged: block pool + batched steps (Llama-family); dense: per-sequence caches; auto: "
                             "paged where it applies")
     cpu_weight_layouts: bool = Field(
-        True, description="on the CPU, keep up to two more copies of the weights that make steps of 2-12 rows "
-                          "(speculative verification, small batches) cheaper (with --spec-calibrate, only those "
+        True, description="on the CPU, keep up to two more copies of the weights that make small steps "
+                          "(one row, speculative verification, small batches) cheaper (with --spec-calibrate, only those "
                           "measured faster here); off saves that memory (up to 2x the model's projection weights)")
     spec: SpeculationConfig = Field(default_factory=SpeculationConfig)
     kv: KVReceiveConfig = Field(default_factory=KVReceiveConfig)

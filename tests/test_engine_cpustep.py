@@ -58,8 +58,8 @@ def test_the_cpu_step_computes_what_the_model_computes(cls, cfg_cls, extra):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_weight_layout_computes_the_linear_at_every_row_count(dtype):
     """Whichever layout a plan names for whichever row count, a projection computes nn.Linear's product
-    (relative to its scale: the layouts' kernels sum in other orders); a plan's row counts past its end
-    and layouts a module lacks fall back to x @ W_t."""
+    (relative to its scale: the layouts' kernels sum in other orders); layouts a module lacks fall back to
+    x @ W_t."""
     torch.manual_seed(0)
     lin = nn.Linear(96, 160).to(dtype)
     mod = cpustep._cpu_linear(lin)
@@ -83,6 +83,23 @@ def test_every_weight_layout_computes_the_linear_at_every_row_count(dtype):
         mod.weight_packed = None  # released: the plan's layout is gone, x @ W_t computes it
         x = torch.randn(1, 1, 96).to(dtype)
         assert torch.equal(mod(x), torch.mm(x.reshape(1, -1), mod.weight_t).view(1, 1, -1) + mod.bias)
+
+
+def test_row_counts_past_the_plan_take_its_last_layout():
+    """A batched step is larger than any size a calibration measured: it takes the layout of the largest one
+    (its last entry), not "t". Seen through an `[out, in]` copy made different on purpose: only the "rows"
+    layout reads it."""
+    torch.manual_seed(0)
+    mod = cpustep._cpu_linear(nn.Linear(32, 48, bias=False))
+    mod.weight_rows = -mod.weight_t.t().contiguous()
+    mod.plan = cpustep.StepPlan()
+    x = torch.randn(1, 7, 32)
+    with torch.inference_mode():
+        t_out = torch.mm(x.reshape(7, -1), mod.weight_t).view(1, 7, -1)
+        mod.plan.by_rows = ("t", "t", "rows")  # measured up to 2 rows; the largest took "rows"
+        assert torch.allclose(mod(x), -t_out, rtol=1e-5, atol=1e-5)
+        mod.plan.by_rows = ("rows", "rows", "t")
+        assert torch.equal(mod(x), t_out)
 
 
 def test_fused_projections_share_one_matmul_and_stay_right_when_called_apart():

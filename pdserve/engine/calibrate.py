@@ -63,8 +63,9 @@ class StepProfile:
         return max(s1 + max(s1 - s0, 0.0) / (r1 - r0) * (rows - r1), s1)
 
     def plan(self) -> tuple[str, ...]:
-        """The layout per row count (index = rows) for `Transformer.set_step_plan`: measured sizes take their
-        winner; a size between two measured ones takes the next larger's; past the last, "t"."""
+        """The layout per row count (index = rows) for `HFPagedModel.set_step_plan`: measured sizes take their
+        winner; a size between two measured ones takes the next larger's (past the last, `CpuLinear` takes the
+        last's)."""
         if not self.layouts:
             return ()
         top = max(self.layouts)
@@ -123,11 +124,15 @@ def profile_key(fingerprint: str, device: torch.device | str, dtype: str, row_co
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
+BATCH_ROWS = (1, 2, 4, 8, 16, 32)  # batched decode steps (one row per sequence), measured whatever max_k is
+
+
 def default_row_counts(max_k: int) -> list[int]:
     """Rows a decode worker with speculation up to `max_k` steps with: 1..max_k+1 (one sequence verifying),
-    and one larger size so batched steps extrapolate from measured points."""
+    twice that (two verifying), and `BATCH_ROWS` (plain batched steps), so the plan covers the sizes a worker
+    runs and batched steps extrapolate from measured points."""
     top = max(int(max_k), 0) + 1
-    return sorted(set(range(1, top + 1)) | {2 * top})
+    return sorted(set(range(1, top + 1)) | {2 * top} | set(BATCH_ROWS))
 
 
 def step_clock(device: torch.device):

@@ -28,7 +28,8 @@ class StepPlan:
 
     `by_rows[n]` names the layout (`LAYOUTS`) of an n-row step: what a step calibration measured fastest
     on this machine (`pdserve.engine.calibrate`). Empty (no calibration), every module follows
-    `CpuLinear.default_layout`; set, rows past its end take "t" (sizes nobody measured).
+    `CpuLinear.default_layout`; set, rows past its end take its last entry (the largest size measured: the
+    layouts' ranking settles once a step is compute-bound, and a batched step is past any fixed list).
     """
 
     __slots__ = ("by_rows",)
@@ -94,7 +95,7 @@ class CpuLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
         plan = self.plan.by_rows if self.plan is not None else ()
-        layout = (plan[rows] if rows < len(plan) else "t") if plan else self.default_layout(rows)
+        layout = plan[min(rows, len(plan) - 1)] if plan else self.default_layout(rows)
         if layout == "packed" and self.weight_packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1).contiguous(), self.weight_packed, self.bias,
                                                    "none", [], "")
