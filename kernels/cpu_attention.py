@@ -6,8 +6,8 @@ plus 8-10 small ops per sequence, which at batch 16 cost a third of a decode ste
 native kernel reads each key and value row once, in place, for all the query rows of its KV head.
 
 It is compiled at first use with the machine's C compiler (`$CC`, else `cc`; `-O3 -march=native`, no
-fast-math; glibc's vector `expf` where it links) into the cache (`~/.cache/pdserve/kernels`, keyed by the source, the flags and the CPU's
-flags), loaded with ctypes, and called with the tensors' pointers and strides. Where there is no
+fast-math; glibc's vector `expf` where it links) into the cache (`~/.cache/pdserve/kernels`, keyed by the
+sources, the flags and the CPU's flags; `build_library`, which `cpu_decoder` shares), loaded with ctypes, and called with the tensors' pointers and strides. Where there is no
 compiler, the build fails, or `PDSERVE_CPU_ATTENTION=0` is set, `available()` is False and callers use
 the reference. Pools of float32 or bfloat16 (what the engine allocates on a CPU); anything else goes to
 the reference too.
@@ -49,21 +49,25 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def library_path(compiler: str) -> Path:
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, *map(" ".join, VARIANTS), platform.machine(),
-                                    _cpu_flags()])
-                         .encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"cpu_attention-{key}.so"
+def library_path(compiler: str, source: Path = SOURCE) -> Path:
+    """Where the build of `source` (and the C files beside it, which it may include) is cached: keyed by
+    their text, the compiler, the flags and the CPU's flags."""
+    texts = [p.read_text() for p in sorted(source.parent.glob("*.c"))]
+    key = hashlib.sha256("\0".join([source.name, *texts, compiler, *FLAGS, *map(" ".join, VARIANTS),
+                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"{source.stem}-{key}.so"
 
 
-def _build() -> ctypes.CDLL | None:
-    if os.environ.get("PDSERVE_CPU_ATTENTION", "1") == "0":
+def build_library(source: Path, switch: str) -> ctypes.CDLL | None:
+    """Compile `source` once per machine into the cache and load it; None where `$switch` is "0", there is
+    no C compiler, or the build fails (logged: callers serve with torch instead)."""
+    if os.environ.get(switch, "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
-        log.info("no C compiler: CPU paged attention runs the torch reference")
+        log.info("no C compiler: %s is not built, torch serves instead", source.name)
         return None
-    path = library_path(compiler)
+    path = library_path(compiler, source)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         # built beside its final name and renamed: processes starting together never load a half-written file
@@ -71,22 +75,27 @@ def _build() -> ctypes.CDLL | None:
         os.close(fd)
         try:
             for extra in VARIANTS:  # glibc's vector exp where it links, else scalar expf
-                r = subprocess.run([compiler, *FLAGS, *extra, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
-                                   text=True, timeout=120)
+                r = subprocess.run([compiler, *FLAGS, *extra, "-I", str(source.parent), "-o", tmp, str(source), "-lm"],
+                                   capture_output=True, text=True, timeout=120)
                 if r.returncode == 0:
                     break
             if r.returncode != 0:
-                log.warning("building the CPU paged attention failed (%s): the torch reference serves instead\n%s",
-                            compiler, r.stderr[-2000:])
+                log.warning("building %s failed (%s): torch serves instead\n%s", source.name, compiler, r.stderr[-2000:])
                 return None
             os.replace(tmp, path)
         except (OSError, subprocess.SubprocessError) as e:
-            log.warning("building the CPU paged attention failed (%s): the torch reference serves instead", e)
+            log.warning("building %s failed (%s): torch serves instead", source.name, e)
             return None
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(str(path))
+    return ctypes.CDLL(str(path))
+
+
+def _build() -> ctypes.CDLL | None:
+    lib = build_library(SOURCE, "PDSERVE_CPU_ATTENTION")
+    if lib is None:
+        return None
     fn = lib.pdserve_paged_attention
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     fn.argtypes = [p, p, p, i32, i64, i64, i64, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, f32, p]

@@ -138,6 +138,7 @@ class HFPagedModel(nn.Module):
         self._plan = StepPlan()  # shared by every CpuLinear (CPU models): empty until a calibration sets it
         for m in self._cpu_linears():
             m.plan = self._plan
+        self.native = None  # a NativeDecoder (kernels/cpu_decoder.py) for small bfloat16 CPU steps, if set
         self.vocab_size = int(self.config.vocab_size)
         self.max_context = max_context(self.config)
         arch = type(hf).__name__
@@ -215,6 +216,10 @@ class HFPagedModel(nn.Module):
         `batch.slot_mapping`), logits_index `[N]` int64 rows of the T to project.
         Returns logits `[N, vocab]` float32.
         """
+        native = self.native
+        if native is not None and native.supports(kv, input_ids.shape[0]) and not any(
+                layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers):  # hooks see transformers' layers
+            return native.forward(input_ids, positions, kv, batch, logits_index)
         out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                       logits_to_keep=logits_index, pdserve_step=_Step(kv, batch, self.attention_impl))
         return out.logits[0].float()
@@ -251,7 +256,14 @@ class HFPagedModel(nn.Module):
             if small_step_weights:
                 # a tied head's [out, in] layout is the embedding table itself
                 add_small_step_layouts(hf, {hf.get_output_embeddings(): embed.weight.detach()} if tied else None)
-        return cls(hf, attention_impl)
+        model = cls(hf, attention_impl)
+        if torch.device(device).type == "cpu" and small_step_weights and dtype == torch.bfloat16:
+            from pdserve.kernels.cpu_decoder import NativeDecoder
+
+            model.native = NativeDecoder.from_model(model)
+            if model.native is not None:
+                model.native.release_layer_layouts()
+        return model
 
 
 def _architecture(model_dir) -> str:

@@ -1,0 +1,190 @@
+/* One Llama-style decoder layer of a small bfloat16 step (decode, verification) in one native call.
+ *
+ * transformers runs a layer as some forty torch ops and their Python; at one to a few rows on a CPU that
+ * costs more than the layer's matmuls (a SmolLM2-135M step: 48 ms, of which oneDNN's kernels ~19). Here a
+ * layer is: norm, q/k/v projection (+ bias), rotary embedding, K/V written into the paged pool, paged
+ * attention (cpu_attention.c, included), o projection, residual, norm, gate/up projection, SiLU * up, down
+ * projection, residual. Every intermediate is rounded to bfloat16 where transformers' bfloat16 modules
+ * round it, so the layer computes what theirs does up to the summation order of the matmuls.
+ *
+ * Projections are GEMVs over weights packed for AVX512-BF16 (`pack`): blocks of 16 outputs, each holding,
+ * for every pair of inputs, the 16 outputs' two weights side by side, which `vdpbf16ps` multiplies with a
+ * broadcast pair of activations into 16 float32 sums at once. The weights stream from memory exactly once
+ * per step however many rows (up to 8 per pass; a block is re-read from cache for more).
+ */
+#include "cpu_attention.c"
+
+typedef uint16_t bf16;
+
+static inline float f32(bf16 h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+static inline bf16 round_bf16(float f) { /* round to nearest even, as torch's float -> bfloat16 */
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x7fffffu)) return (bf16)((v.u >> 16) | 0x40); /* NaN */
+    return (bf16)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline bf16 mul_bf16(bf16 a, bf16 b) { return round_bf16(f32(a) * f32(b)); }
+static inline bf16 add_bf16(bf16 a, bf16 b) { return round_bf16(f32(a) + f32(b)); }
+
+/* W [n, k] bfloat16 (row-major, k even) -> packed [ceil(n/16)][k/2][16][2]; outputs past n are zero. */
+void pdserve_pack_bf16(const bf16 *w, bf16 *packed, int n, int k) {
+    const int nb = (n + 15) / 16, k2 = k / 2;
+    for (int b = 0; b < nb; b++)
+        for (int p = 0; p < k2; p++)
+            for (int j = 0; j < 16; j++) {
+                const int o = b * 16 + j;
+                bf16 *dst = packed + (((size_t)b * k2 + p) * 16 + j) * 2;
+                dst[0] = o < n ? w[(size_t)o * k + 2 * p] : 0;
+                dst[1] = o < n ? w[(size_t)o * k + 2 * p + 1] : 0;
+            }
+}
+
+#if defined(__AVX512BF16__)
+#define HAVE_BF16_GEMV 1
+/* y[r][0..n) = x[r] . W (+ bias), r < rows <= 8, rounded to bfloat16 into y (row stride ldy). */
+static inline __attribute__((always_inline)) void gemv_rows(const bf16 *x, int ldx, const bf16 *packed, int n, int k,
+                                                            const bf16 *bias, bf16 *y, int ldy, const int rows) {
+    const int nb = (n + 15) / 16, k2 = k / 2;
+    for (int b = 0; b < nb; b++) {
+        __m512 acc[8];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+        const bf16 *wp = packed + (size_t)b * k2 * 32;
+        for (int p = 0; p < k2; p++) {
+            const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(wp + (size_t)p * 32));
+            for (int r = 0; r < rows; r++) {
+                uint32_t pair;
+                memcpy(&pair, x + (size_t)r * ldx + 2 * p, 4);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)pair), w);
+            }
+        }
+        const int o0 = b * 16, m = n - o0 < 16 ? n - o0 : 16;
+        const __mmask16 mask = (__mmask16)((1u << m) - 1u);
+        __m512 bv = _mm512_setzero_ps();
+        if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                           _mm256_maskz_loadu_epi16(mask, bias + o0)), 16));
+        for (int r = 0; r < rows; r++) {
+            const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r], bv));
+            _mm256_mask_storeu_epi16(y + (size_t)r * ldy + o0, mask, h);
+        }
+    }
+}
+
+static void gemv(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, int k, const bf16 *bias, bf16 *y,
+                 int ldy) {
+    for (int r0 = 0; r0 < rows; r0 += 8) {
+        const int m = rows - r0 < 8 ? rows - r0 : 8;
+        const bf16 *xr = x + (size_t)r0 * ldx;
+        bf16 *yr = y + (size_t)r0 * ldy;
+        switch (m) { /* the row count a compile-time constant: accumulators stay in registers */
+        case 1: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 1); break;
+        case 2: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 2); break;
+        case 3: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 3); break;
+        case 4: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 4); break;
+        case 5: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 5); break;
+        case 6: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 6); break;
+        case 7: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 7); break;
+        default: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 8); break;
+        }
+    }
+}
+#else
+#define HAVE_BF16_GEMV 0
+static void gemv(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, int k, const bf16 *bias, bf16 *y,
+                 int ldy) {
+    (void)x; (void)ldx; (void)rows; (void)packed; (void)n; (void)k; (void)bias; (void)y; (void)ldy;
+}
+#endif
+
+int pdserve_bf16_gemv_available(void) { return HAVE_BF16_GEMV; }
+
+void pdserve_bf16_gemv(const bf16 *x, int rows, const bf16 *packed, int n, int k, const bf16 *bias, bf16 *y) {
+    gemv(x, k, rows, packed, n, k, bias, y, n);
+}
+
+/* transformers' Llama norm in bfloat16: normalise in float32, round, scale by the bfloat16 weight, round. */
+static void rms_norm(const bf16 *x, const bf16 *w, float eps, int rows, int h, bf16 *y) {
+    for (int r = 0; r < rows; r++) {
+        const bf16 *xr = x + (size_t)r * h;
+        float ss = 0.f;
+        for (int i = 0; i < h; i++) ss += f32(xr[i]) * f32(xr[i]);
+        const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+        for (int i = 0; i < h; i++) y[(size_t)r * h + i] = mul_bf16(w[i], round_bf16(f32(xr[i]) * inv));
+    }
+}
+
+/* x * cos + rotate_half(x) * sin, each product and the sum rounded (bfloat16 tensor ops). */
+static inline void rotary(bf16 *x, const bf16 *cos, const bf16 *sin, int d) {
+    const int half = d / 2;
+    bf16 tmp[512];
+    memcpy(tmp, x, (size_t)d * sizeof(bf16));
+    for (int i = 0; i < d; i++) {
+        const bf16 rot = i < half ? (bf16)(tmp[i + half] ^ 0x8000u) : tmp[i - half];
+        x[i] = add_bf16(mul_bf16(tmp[i], cos[i]), mul_bf16(rot, sin[i]));
+    }
+}
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+struct layer_weights {
+    const bf16 *ln1, *qkv, *qkv_bias, *o, *ln2, *gate_up, *down;
+};
+
+/* h [rows, hidden] bfloat16, updated in place. cos/sin [rows, head_dim] bfloat16. kv: this layer's pool
+ * [num_blocks, 2, kv_heads, block_size, head_dim] bfloat16 (strides in elements); slots [rows] int64.
+ * scratch: at least rows * (2 * hidden + 4 * inter + (q_heads + 2 * kv_heads) * head_dim * 3) * 4 bytes.
+ * Returns 0, -1 (no memory), -2 (head_dim over 512), or 1 + the sequence whose block table is out of range. */
+int pdserve_llama_layer(bf16 *h, int rows, int hidden, int inter, const struct layer_weights *w, float eps,
+                        int q_heads, int kv_heads, int head_dim, const bf16 *cos, const bf16 *sin, bf16 *kv,
+                        int64_t s_kv, int64_t s_head, int64_t s_block, int64_t s_tok, int64_t num_blocks,
+                        const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
+                        const int32_t *seq_lens, const int32_t *query_start, int S, int block_size, float scale,
+                        void *scratch) {
+    if (head_dim > 512) return -2;
+    const int nq = q_heads * head_dim, nkv = kv_heads * head_dim, nqkv = nq + 2 * nkv;
+    bf16 *x = scratch;                                  /* [rows, hidden] normed input */
+    bf16 *qkv = x + (size_t)rows * hidden;              /* [rows, nqkv] */
+    bf16 *attn = qkv + (size_t)rows * nqkv;             /* [rows, nq] */
+    bf16 *gu = attn + (size_t)rows * nq;                /* [rows, 2 * inter] */
+    bf16 *act = gu + (size_t)rows * 2 * inter;          /* [rows, inter] */
+    bf16 *proj = act + (size_t)rows * inter;            /* [rows, hidden] */
+    float *qf = (float *)(proj + (size_t)rows * hidden + 16); /* [rows, nq] float32 */
+    qf = (float *)(((uintptr_t)qf + 63) & ~(uintptr_t)63);
+    float *of = qf + (size_t)rows * nq;
+
+    rms_norm(h, w->ln1, eps, rows, hidden, x);
+    gemv(x, hidden, rows, w->qkv, nqkv, hidden, w->qkv_bias, qkv, nqkv);
+    for (int r = 0; r < rows; r++) {
+        bf16 *row = qkv + (size_t)r * nqkv;
+        const bf16 *c = cos + (size_t)r * head_dim, *s = sin + (size_t)r * head_dim;
+        for (int hd = 0; hd < q_heads + kv_heads; hd++) rotary(row + (size_t)hd * head_dim, c, s, head_dim);
+        for (int i = 0; i < nq; i++) qf[(size_t)r * nq + i] = f32(row[i]);
+        const int64_t slot = slots[r], blk = slot / block_size, off = slot % block_size;
+        for (int g = 0; g < kv_heads; g++) {
+            bf16 *kdst = kv + blk * s_block + g * s_head + off * s_tok;
+            memcpy(kdst, row + nq + (size_t)g * head_dim, (size_t)head_dim * sizeof(bf16));
+            memcpy(kdst + s_kv, row + nq + nkv + (size_t)g * head_dim, (size_t)head_dim * sizeof(bf16));
+        }
+    }
+    int rc = pdserve_paged_attention(qf, of, kv, 1, s_kv, s_head, s_block, s_tok, num_blocks, block_tables, bt_stride,
+                                     seq_lens, query_start, S, q_heads, kv_heads, head_dim, block_size, scale, 0,
+                                     0.0f, NULL);
+    if (rc) return rc;
+    for (size_t i = 0; i < (size_t)rows * nq; i++) attn[i] = round_bf16(of[i]);
+    gemv(attn, nq, rows, w->o, hidden, nq, NULL, proj, hidden);
+    for (size_t i = 0; i < (size_t)rows * hidden; i++) h[i] = add_bf16(h[i], proj[i]);
+
+    rms_norm(h, w->ln2, eps, rows, hidden, x);
+    gemv(x, hidden, rows, w->gate_up, 2 * inter, hidden, NULL, gu, 2 * inter);
+    for (int r = 0; r < rows; r++) {
+        const bf16 *g = gu + (size_t)r * 2 * inter, *u = g + inter;
+        for (int i = 0; i < inter; i++)
+            act[(size_t)r * inter + i] = mul_bf16(round_bf16(silu(f32(g[i]))), u[i]);
+    }
+    gemv(act, inter, rows, w->down, hidden, inter, NULL, proj, hidden);
+    for (size_t i = 0; i < (size_t)rows * hidden; i++) h[i] = add_bf16(h[i], proj[i]);
+    return 0;
+}

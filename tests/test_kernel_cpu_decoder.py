@@ -1,0 +1,139 @@
+"""The native bfloat16 decoder layer (`kernels/cpu_decoder.c`) against transformers' bfloat16 forward.
+
+Two bfloat16 computations of one model round differently (here the matmuls sum in another order), so
+they are compared by how far each is from the float32 forward: the native step must be as close to
+float32 as transformers' own bfloat16 step is (within 25%), on the real model and on tiny Llama and
+Qwen2 checkpoints (q/k/v biases), for one-row, verification-sized and batched ragged steps. The GEMV is
+checked against a float32 matmul of the same bfloat16 numbers. Everything is skipped on a CPU without
+AVX512-BF16 (or without a C compiler), where the engine keeps transformers' forward.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.runner import PagedRunner
+from pdserve.kernels import cpu_decoder
+from tinymodels import make_tiny
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+needs_native = pytest.mark.skipif(cpu_decoder.library() is None,
+                                  reason="no AVX512-BF16 or no C compiler: the native decoder is not built here")
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16])
+@pytest.mark.parametrize("n,k,bias", [(96, 64, False), (40, 32, True), (300, 130, False)])
+def test_gemv_computes_the_bfloat16_product(rows, n, k, bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    got = cpu_decoder.gemv(x, cpu_decoder.pack(w.t().contiguous()), n, b).float()
+    want = x.float() @ w.float().t() + (b.float() if bias else 0)
+    assert got.shape == (rows, n)
+    # one bfloat16 rounding of the float32 sum: half a unit in the 8th bit of each output
+    assert ((got - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()
+
+
+def _runners(model_dir):
+    native = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False)
+    torch_bf16 = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False,
+                             small_step_weights=False)
+    exact = PagedRunner(model_dir, dtype=torch.float32, num_blocks=64, prefix_cache=False)
+    return native, torch_bf16, exact
+
+
+def _compare(model_dir, prompts: list[list[int]]):
+    """Logits of prompts (prefilled natively where they are short) and then of steps: one row, a verification,
+    a ragged batch. Each bfloat16 path's distance from float32, relative to the float32 logits' norm, is
+    chaotic step by step (a rounding either way early on grows through the layers: one step here had
+    transformers' path 7x nearer float32 than the native, the next the native 2x nearer), so they are
+    compared in sum: the native path's mean error within 2x of transformers' bfloat16 error, none past 15%
+    of the logits (a wrong rotary, norm or bias is 30-100%), and their greedy tokens mostly the same."""
+    native, torch_bf16, exact = _runners(model_dir)
+    assert native.model.native is not None and torch_bf16.model.native is None and exact.model.native is None
+    steps = [[[5]], [[7, 8, 9, 10]], [[11], [12, 13], [14, 15, 16, 17, 18]]]
+    norm = torch.linalg.vector_norm
+    errors, agree = {"native": [], "torch": []}, []
+
+    def record(got, ref, want):
+        errors["native"].append(float(norm(got - want) / norm(want)))
+        errors["torch"].append(float(norm(ref - want) / norm(want)))
+        agree.extend((got.argmax(-1) == ref.argmax(-1)).tolist())
+
+    with torch.inference_mode():
+        record(*(torch.stack([r.prefill(i, p) for i, p in enumerate(prompts)]) for r in (native, torch_bf16, exact)))
+        for feed in steps:
+            batch = [(i, ids) for i, ids in enumerate(feed)]
+            record(*(torch.cat(r.step(batch)) for r in (native, torch_bf16, exact)))
+            for r in (native, torch_bf16, exact):
+                for i, p in enumerate(prompts):
+                    r.rollback(i, len(p))
+    mean = {k: sum(v) / len(v) for k, v in errors.items()}
+    assert mean["native"] <= 2.0 * mean["torch"], errors
+    assert max(errors["native"]) <= 0.15, errors
+    assert sum(agree) >= 0.8 * len(agree), agree
+
+
+@needs_native
+def test_native_steps_of_the_real_model_are_as_close_to_float32_as_transformers_bfloat16(model_dir, tokenizer):
+    prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def add(a, b):\n    return",
+                                             "Once upon a time, in a land far away, there lived a")]
+    _compare(model_dir, prompts)
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_native_steps_of_tiny_llama_and_qwen2(family, tmp_path, model_dir, tokenizer):
+    ckpt = make_tiny(family, tmp_path, model_dir)
+    _compare(ckpt, [tokenizer.encode("The quick brown fox jumps over the lazy dog")[:9],
+                    tokenizer.encode("Once upon a time"), tokenizer.encode("def add(a, b):\n    return a + b")])
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "qwen3"])
+def test_models_the_layer_does_not_compute_keep_transformers_forward(family, tmp_path, model_dir):
+    """Sliding windows (this Mistral), soft caps and another norm (Gemma 2), q/k norms (Qwen3): refused by
+    structure, not run wrong."""
+    r = PagedRunner(make_tiny(family, tmp_path, model_dir), dtype=torch.bfloat16, num_blocks=16)
+    assert r.model.native is None
+
+
+@needs_native
+def test_layer_hooks_and_large_steps_go_to_transformers(model_dir, tokenizer):
+    """Prefill's layer streaming hooks transformers' layers, and prompt chunks are compute-bound: both keep
+    transformers' forward (seen here by the native forward never being called)."""
+    r = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64)
+    calls = []
+    native_forward = r.model.native.forward
+    r.model.native.forward = lambda *a: calls.append(a[0].shape[0]) or native_forward(*a)
+    ids = tokenizer.encode("Once upon a time, in a land far away, there lived a king who had three daughters")
+    assert len(ids) > cpu_decoder.MAX_ROWS
+    with torch.inference_mode():
+        r.prefill("a", ids)
+        assert calls == []
+        r.step([("a", [5])])
+        assert calls == [1]
+        handle = r.model.layers[0].register_forward_hook(lambda *a: None)
+        r.step([("a", [6])])
+        handle.remove()
+        assert calls == [1]
+
+
+@needs_native
+def test_a_block_table_outside_the_pool_is_an_error_not_a_read(model_dir):
+    from pdserve.engine.hfmodel import PagedBatch
+
+    r = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=16, prefix_cache=False)
+    kv = r.pool.kv
+    batch = PagedBatch(slot_mapping=torch.tensor([3]), block_tables=torch.tensor([[0, 99]], dtype=torch.int32),
+                       seq_lens=torch.tensor([20], dtype=torch.int32), query_start=torch.tensor([0, 1], dtype=torch.int32))
+    with torch.inference_mode(), pytest.raises(IndexError, match="sequence 0 name a block outside the pool's 16"):
+        r.model.native.forward(torch.tensor([5]), torch.tensor([19]), kv, batch, torch.tensor([0]))
