@@ -305,3 +305,49 @@ def test_layer_streamed_handoff_gives_the_same_tokens_and_stops_at_a_first_token
         s, out = post(c.url + "/v1/completions", {"model": MODEL, "prompt": ids[:50], "max_tokens": 4, "temperature": 0,
                                                   "return_token_ids": True, "ignore_eos": True})
         assert s == 200 and out["choices"][0]["token_ids"] == hf_greedy(hf, ids[:50], 4)
+
+
+def test_a_prompt_stops_a_pre_positioning_step_between_layers(nats_server, model_dir, hf):
+    """A hint's chunk is one long step here (2048-token chunks, a hint of ~1500 tokens: seconds on a CPU
+    core). A prompt arriving while it runs stops it at the next layer (`yielded`), is answered as transformers
+    answers it, and the hint is computed afterwards, from where it stood."""
+    import urllib.request
+
+    from pdserve.natsserver import free_port
+
+    port = free_port()
+    c = LocalCluster(str(model_dir), prefill_workers=1, decode_workers=1, nats=nats_server.creds,
+                     worker_args={"prefill": ["--chunk-size", "2048", "--max-batch-tokens", "2048",
+                                              "--metrics-port", str(port)]})
+    c.start()
+    try:
+        def outcomes() -> dict[str, float]:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith("pdserve_preposition_total{")}
+
+        tok = hf[0]
+        hint_ids = tok.encode(LONG[:7000], add_special_tokens=False)[:1500]
+
+        async def send_hint():
+            nc = await nats.connect(**nats_server.creds.connect_kwargs())
+            try:
+                await nc.publish(Subjects.preposition(c.scope, "prefill-0"),
+                                 PrepositionHint(request_id="long-hint", model=MODEL, token_ids=hint_ids).encode())
+                await nc.flush()
+            finally:
+                await nc.close()
+
+        asyncio.run(send_hint())
+        wait_for(lambda: outcomes().get("received", 0) >= 1, "the hint to arrive", 30)
+        time.sleep(0.3)  # its step has begun (it takes seconds)
+        ids = tok.encode("One plus one is", add_special_tokens=False)
+        s, out = post(c.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0,
+                                                  "return_token_ids": True, "ignore_eos": True})
+        assert s == 200 and out["choices"][0]["token_ids"] == hf_greedy(hf, ids, 4)
+        assert outcomes().get("yielded", 0) >= 1
+        last_block = announced(prefix_hashes(hint_ids, 16)[-1])
+        wait_for(lambda: last_block in load_reports(c, "prefill", 1.1)["prefill-0"].cached_blocks,
+                 "the hint to be computed after the prompt", 120)
+    finally:
+        c.stop()
