@@ -106,6 +106,8 @@ def _why_not(model) -> str | None:
         return "not bfloat16 on the CPU"
     if model.head_dim > 512 or model.head_dim % 2:
         return f"head_dim {model.head_dim}"
+    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+        return "its rotary embedding covers part of each head"
     inner = getattr(model.hf, "model", None)
     if _llama_norm(getattr(inner, "norm", None)) is None:
         return "its final norm is not transformers' Llama norm"
