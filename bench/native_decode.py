@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdserve.engine.calibrate import measure
     from pdserve.engine.runner import PagedRunner
-    from pdserve.kernels import cpu_decoder
+    from pdserve.engine.native import NativeDecoder
     from pdserve.modelstore import resolve_model
 
     model_dir = resolve_model(args.model)
@@ -34,12 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     if native.model.native is None:
         print("the native decoder does not run here (no AVX512-BF16, no C compiler, or another architecture)")
         return 1
-    build = cpu_decoder.NativeDecoder.from_model
-    cpu_decoder.NativeDecoder.from_model = classmethod(lambda cls, model: None)
+    build = NativeDecoder.from_model
+    NativeDecoder.from_model = classmethod(lambda cls, model: None)
     try:
         plain = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=1024, prefix_cache=False)
     finally:
-        cpu_decoder.NativeDecoder.from_model = build
+        NativeDecoder.from_model = build
     measure(plain, [1, 4, 8, 16], context_tokens=64, repeats=1)  # its fastest layouts (the worker's calibration)
     vocab = native.vocab_size
     sizes = (1, 4, 8, 16)

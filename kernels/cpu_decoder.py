@@ -1,18 +1,13 @@
-"""Small bfloat16 steps of Llama-style models on the CPU, one native call per decoder layer (`cpu_decoder.c`).
+"""The native bfloat16 decoder layer (`cpu_decoder.c`): its build, its weight packing, its GEMV.
 
 At one to a few rows a transformers decoder layer is some forty torch ops and their Python around
 matmuls that are themselves short: on a 2-core AMD EPYC, SmolLM2-135M's one-row step took 48 ms in the
-decode worker, of which oneDNN's matmul kernels ran ~19 (perf). `NativeDecoder` runs each layer's whole
-forward in C — norms, projections (AVX512-BF16 GEMVs over weights packed for them, a copy made at load),
-rotary embedding (the model's own cos/sin tables), the K/V write, paged attention, SiLU — and keeps
-from transformers only the embedding, the rotary tables, the final norm and the head.
-
-Which models: an architecture whose decoder layer is exactly pre-norm attention and a SiLU-gated MLP
-with transformers' Llama norm (`NATIVE_TYPES`; q/k/v biases allowed, as Qwen2 has), every layer full
-attention with no soft cap or sinks, in bfloat16 on a CPU with AVX512-BF16, the C compiler present, and
-`PDSERVE_NATIVE_DECODE` not "0". `from_model` returns None (and says why at debug level) for anything
-else, which keeps transformers' forward. Results equal transformers' bfloat16 forward up to the
-matmuls' summation order (tests/test_kernel_cpu_decoder.py).
+decode worker, of which oneDNN's matmul kernels ran ~19 (perf). `pdserve_llama_layer` runs a Llama-style
+layer's whole forward in C — norms, projections (AVX512-BF16 GEMVs over weights packed for them, `pack`),
+rotary embedding (the model's own cos/sin tables), the K/V write, paged attention, SiLU. Which models it
+serves and how a step calls it: `pdserve.engine.native`. Built like the attention kernel
+(`cpu_attention.build_library`); `PDSERVE_NATIVE_DECODE=0` leaves it unbuilt, as does a CPU or compiler
+without AVX512-BF16.
 """
 from __future__ import annotations
 
@@ -21,21 +16,22 @@ import logging
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from pdserve.kernels.cpu_attention import build_library
 
 log = logging.getLogger("pdserve.kernels.cpu_decoder")
 
 SOURCE = Path(__file__).with_name("cpu_decoder.c")
-NATIVE_TYPES = ("llama", "mistral", "qwen2")  # config.model_type: pre-norm attention + SiLU-gated MLP, Llama norms
 MAX_ROWS = 16  # steps of more rows (prompt chunks, big batches) run transformers' forward: compute-bound there
 
 _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-class _LayerWeights(ctypes.Structure):
+class LayerWeights(ctypes.Structure):
+    """The pointers of one layer's weights, as `pdserve_llama_layer` takes them (`struct layer_weights`)."""
+
     _fields_ = [(name, ctypes.c_void_p) for name in ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down")]
 
 
@@ -74,136 +70,3 @@ def gemv(x: Tensor, packed: Tensor, n: int, bias: Tensor | None = None) -> Tenso
     library().pdserve_bf16_gemv(x.data_ptr(), x.shape[0], packed.data_ptr(), n, x.shape[1],
                                 None if bias is None else bias.data_ptr(), y.data_ptr())
     return y
-
-
-def _llama_norm(m) -> tuple[Tensor, float] | None:
-    """(weight, eps) of transformers' Llama norm — `weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)`,
-    what the C layer computes — as the model's own module (`LlamaRMSNorm`, `Qwen2RMSNorm`, ...) or a
-    `cpustep.FusedRMSNorm` that replaced it (found equal to it bit for bit, in either form); None for any other."""
-    from pdserve.engine.cpustep import FusedRMSNorm
-
-    if isinstance(m, FusedRMSNorm):
-        return m.weight, m.eps
-    own = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2")}
-    eps = getattr(m, "variance_epsilon", None)
-    if type(m).__name__ in own and isinstance(eps, float) and isinstance(getattr(m, "weight", None), nn.Parameter):
-        return m.weight, eps
-    return None
-
-
-def _why_not(model) -> str | None:
-    """None where `model` (an HFPagedModel) can run natively, else the reason."""
-    from pdserve.engine.cpustep import CpuLinear, FusedMember
-
-    cfg = model.config
-    if cfg.model_type not in NATIVE_TYPES:
-        return f"model type {cfg.model_type!r} is not one of {NATIVE_TYPES}"
-    if getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "mlp_bias", False):
-        return "its MLP is not a bias-free SiLU-gated one"
-    if any(model.layer_windows) or any(a.softcap or a.sinks for a in model.attention):
-        return "a layer has a sliding window, a soft cap or sinks"
-    if next(model.hf.parameters()).dtype != torch.bfloat16 or next(model.hf.parameters()).device.type != "cpu":
-        return "not bfloat16 on the CPU"
-    if model.head_dim > 512 or model.head_dim % 2:
-        return f"head_dim {model.head_dim}"
-    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
-        return "its rotary embedding covers part of each head"
-    inner = getattr(model.hf, "model", None)
-    if _llama_norm(getattr(inner, "norm", None)) is None:
-        return "its final norm is not transformers' Llama norm"
-    for layer in model.layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-        if any(_llama_norm(n) is None for n in norms):
-            return "a layer's norms are not transformers' Llama norm"
-        q, gate = getattr(attn, "q_proj", None), getattr(mlp, "gate_proj", None)
-        if not (isinstance(q, FusedMember) and q.first and isinstance(attn.v_proj, FusedMember) and attn.v_proj.last):
-            return "a layer's q/k/v are not one fused projection"
-        if not (isinstance(gate, FusedMember) and gate.first and isinstance(mlp.up_proj, FusedMember)):
-            return "a layer's gate/up are not one fused projection"
-        o, down = getattr(attn, "o_proj", None), getattr(mlp, "down_proj", None)
-        if not (isinstance(o, CpuLinear) and o.bias is None and isinstance(down, CpuLinear) and down.bias is None):
-            return "a layer's o or down projection has a bias"
-        if gate.group.linear.bias is not None:
-            return "a layer's gate/up projection has a bias"
-    return None
-
-
-class NativeDecoder:
-    """An HFPagedModel's decoder layers packed for `pdserve_llama_layer`; `forward` is the model's step."""
-
-    def __init__(self, model, lib: ctypes.CDLL):
-        self.lib = lib
-        self.hf = model.hf
-        cfg = model.config
-        a = model.attention[0]
-        self.q_heads, self.kv_heads, self.head_dim, self.scale = a.q_heads, a.kv_heads, a.head_dim, a.scaling
-        self.hidden = int(cfg.hidden_size)
-        self.inter = int(cfg.intermediate_size)
-        self.eps = _llama_norm(model.layers[0].input_layernorm)[1]
-        self._packed: list[Tensor] = []  # owns every buffer a layer's struct points at
-        self.weights: list[_LayerWeights] = []
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = attn.q_proj.group.linear
-            ln1, ln2 = (_llama_norm(n)[0].detach() for n in (layer.input_layernorm, layer.post_attention_layernorm))
-            bufs = dict(ln1=ln1, qkv=pack(qkv.weight_t), o=pack(attn.o_proj.weight_t), ln2=ln2,
-                        gate_up=pack(mlp.gate_proj.group.linear.weight_t), down=pack(mlp.down_proj.weight_t))
-            if qkv.bias is not None:
-                bufs["qkv_bias"] = qkv.bias.detach().contiguous()
-            self._packed += bufs.values()
-            self.weights.append(_LayerWeights(**{k: v.data_ptr() for k, v in bufs.items()}))
-        nq, nkv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        self._scratch_per_row = 2 * (2 * self.hidden + nq + 2 * nkv + nq + 3 * self.inter) + 4 * 2 * nq
-        self._scratch = torch.empty(0, dtype=torch.uint8)
-
-    @classmethod
-    def from_model(cls, model) -> "NativeDecoder | None":
-        why = _why_not(model)
-        if why is None and library() is None:
-            why = "the native kernel is not built here"
-        if why is not None:
-            log.debug("bfloat16 steps run transformers' forward: %s", why)
-            return None
-        return cls(model, library())
-
-    def forward(self, input_ids: Tensor, positions: Tensor, kv: Tensor, batch, logits_index: Tensor) -> Tensor:
-        """`HFPagedModel.forward`'s contract for a step of at most `MAX_ROWS` rows."""
-        inner = self.hf.model
-        rows = input_ids.shape[0]
-        h = inner.embed_tokens(input_ids).contiguous()
-        cos, sin = inner.rotary_emb(h[None], positions[None])
-        cos, sin = cos[0].to(torch.bfloat16).contiguous(), sin[0].to(torch.bfloat16).contiguous()
-        need = rows * self._scratch_per_row + 256
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.uint8)
-        b = batch
-        slots = b.slot_mapping.to(torch.int64).contiguous()
-        tables = b.block_tables.to(torch.int32).contiguous()
-        lens = b.seq_lens.to(torch.int32).contiguous()
-        starts = b.query_start.to(torch.int32).contiguous()
-        num_blocks, _, _, block_size, _ = kv.shape[1:]
-        s_block, s_kv, s_head, s_tok, _ = kv[0].stride()
-        call = self.lib.pdserve_llama_layer
-        args = (self.eps, self.q_heads, self.kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr())
-        tail = (s_kv, s_head, s_block, s_tok, num_blocks, slots.data_ptr(), tables.data_ptr(), tables.stride(0),
-                lens.data_ptr(), starts.data_ptr(), tables.shape[0], block_size, self.scale, self._scratch.data_ptr())
-        for i, w in enumerate(self.weights):
-            rc = call(h.data_ptr(), rows, self.hidden, self.inter, ctypes.byref(w), *args, kv[i].data_ptr(), *tail)
-            if rc:
-                if rc == -1:
-                    raise MemoryError("native decoder layer: no memory for the attention scores")
-                raise IndexError(f"block_tables of sequence {rc - 1} name a block outside the pool's {num_blocks}")
-        x = inner.norm(h.index_select(0, logits_index))
-        return self.hf.lm_head(x).float()
-
-    def supports(self, kv: Tensor, rows: int) -> bool:
-        """Whether a step of `rows` rows over the pool `kv` runs here: few rows, a bfloat16 CPU pool."""
-        return rows <= MAX_ROWS and kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and kv.stride(-1) == 1
-
-    def release_layer_layouts(self) -> None:
-        """Drop the decoder layers' extra CpuLinear layouts ("rows", "packed"): the steps they served run here
-        now, and each is another copy of the weights (the head keeps its own)."""
-        for w in self.hf.model.layers.modules():
-            if hasattr(w, "weight_packed"):
-                w.weight_rows = w.weight_packed = None

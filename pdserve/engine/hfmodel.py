@@ -138,7 +138,7 @@ class HFPagedModel(nn.Module):
         self._plan = StepPlan()  # shared by every CpuLinear (CPU models): empty until a calibration sets it
         for m in self._cpu_linears():
             m.plan = self._plan
-        self.native = None  # a NativeDecoder (kernels/cpu_decoder.py) for small bfloat16 CPU steps, if set
+        self.native = None  # a NativeDecoder (engine/native.py) for small bfloat16 CPU steps, if set
         self.vocab_size = int(self.config.vocab_size)
         self.max_context = max_context(self.config)
         arch = type(hf).__name__
@@ -258,7 +258,7 @@ class HFPagedModel(nn.Module):
                 add_small_step_layouts(hf, {hf.get_output_embeddings(): embed.weight.detach()} if tied else None)
         model = cls(hf, attention_impl)
         if torch.device(device).type == "cpu" and small_step_weights and dtype == torch.bfloat16:
-            from pdserve.kernels.cpu_decoder import NativeDecoder
+            from pdserve.engine.native import NativeDecoder
 
             model.native = NativeDecoder.from_model(model)
             if model.native is not None:
