@@ -68,11 +68,11 @@ from pdserve.workerbase import WorkerBase, run_worker
 log = logging.getLogger("pdserve.prefill")
 
 _JOB_IDS = itertools.count()
+HANDOFF_REROUTES = 3  # offers to the model's queue group after the routed decode worker did not take one
 
 
 class HintYielded(Exception):
     """A pre-positioning step stopped between two layers because a prompt arrived (`_yield_hint`)."""
-HANDOFF_REROUTES = 3  # offers to the model's queue group after the routed decode worker did not take one
 
 
 @dataclass(eq=False)

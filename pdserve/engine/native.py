@@ -42,7 +42,6 @@ def _llama_norm(m) -> tuple[Tensor, float] | None:
 
 def _why_not(model) -> str | None:
     """None where `model` (an HFPagedModel) can run natively, else the reason."""
-
     cfg = model.config
     if cfg.model_type not in NATIVE_TYPES:
         return f"model type {cfg.model_type!r} is not one of {NATIVE_TYPES}"
@@ -153,5 +152,5 @@ class NativeDecoder:
         """Drop the decoder layers' extra CpuLinear layouts ("rows", "packed"): the steps they served run here
         now, and each is another copy of the weights (the head keeps its own)."""
         for w in self.hf.model.layers.modules():
-            if hasattr(w, "weight_packed"):
+            if isinstance(w, CpuLinear):
                 w.weight_rows = w.weight_packed = None
