@@ -562,16 +562,44 @@ def paged_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, block_tables:
 NATIVE_MAX_ROWS = 16  # a sequence's query rows up to which the native CPU kernel beats the reference's SDPA
 
 
+def _chunk_kernel_takes(q, kv_pool, seq_lens, long: list[int], *, sliding_window=None, sinks=None,
+                        softcap=None) -> bool:
+    """Whether the long sequences (prompt chunks) go to the native chunk kernel (`cpu_chunk_attention.c`):
+    bfloat16 on an AVX512-BF16 CPU, and full attention — no soft cap, no sinks, no window that hides a key."""
+    if softcap is not None or sinks is not None:
+        return False
+    window = _window(sliding_window)
+    if window is not None and max(int(seq_lens[i]) for i in long) > window:
+        return False
+    return cpu_attention.chunk_supports(q, kv_pool)
+
+
 def _paged_attention_cpu(q, kv_pool, block_tables, seq_lens, query_start, scale, runs, **extra) -> torch.Tensor:
-    """The native CPU kernel for sequences of at most `NATIVE_MAX_ROWS` queries (decode, verification), the
-    reference (SDPA's blocked matmuls) for longer ones (prompt chunks), in one ragged batch."""
+    """The native CPU kernel for sequences of at most `NATIVE_MAX_ROWS` queries (decode, verification); for
+    longer ones (prompt chunks) the native chunk kernel where it takes them (bfloat16, AVX512-BF16, full
+    attention), else the reference (SDPA's blocked matmuls); in one ragged batch."""
     starts = query_start.tolist()
     counts = [b - a for a, b in zip(starts, starts[1:])]
     long = [i for i, n in enumerate(counts) if n > NATIVE_MAX_ROWS]
-    if long and len(long) == len(counts):  # prompt chunks only: the reference, which checks its inputs itself
+    native_chunks = long and _chunk_kernel_takes(q, kv_pool, seq_lens, long, **extra)
+    if long and len(long) == len(counts) and not native_chunks:  # the reference checks its inputs itself
         return paged_attention_reference(q, kv_pool, block_tables, seq_lens, query_start, scale, runs, **extra)
     t, q_heads, _, _, block_size, _ = _check_inputs(q, kv_pool, block_tables, seq_lens, query_start)
     _check_values(t, block_size, block_tables.shape[1], seq_lens.tolist(), starts)
+    if native_chunks:
+        out = torch.empty_like(q)
+        lens = seq_lens.tolist()
+        for i in long:
+            out[starts[i] : starts[i + 1]] = cpu_attention.chunk_attention_cpu(q[starts[i] : starts[i + 1]], kv_pool,
+                                                                                block_tables[i], lens[i], scale)
+        short = [i for i, n in enumerate(counts) if 0 < n <= NATIVE_MAX_ROWS]
+        if short:
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in short])
+            sub_starts = torch.tensor([0, *itertools.accumulate(counts[i] for i in short)], dtype=torch.int32)
+            idx = torch.tensor(short)
+            out[rows] = cpu_attention.paged_attention_cpu(q[rows], kv_pool, block_tables[idx], seq_lens[idx],
+                                                          sub_starts, scale, **extra)
+        return out
     if extra.get("sinks") is not None:
         _check_sinks(extra["sinks"], q_heads)
     if not long:

@@ -124,3 +124,73 @@ def test_a_batch_mixing_steps_and_prompt_chunks_splits_between_the_kernel_and_th
     assert torch.equal(got[1:26], ref_long)
     one = cpu_attention.paged_attention_cpu(q[:1], pool, tables[:1], seq_lens[:1], torch.tensor([0, 1], dtype=torch.int32), 0.125)
     assert torch.equal(got[:1], one)
+
+
+# -- prompt chunks: the native chunk kernel (`cpu_chunk_attention.c`, bfloat16 with AVX512-BF16) ----------
+
+def _chunk_kernel_here() -> bool:
+    return cpu_attention.chunk_supports(torch.zeros(1, 1, 64, dtype=torch.bfloat16),
+                                        torch.zeros(1, 2, 1, 4, 64, dtype=torch.bfloat16))
+
+
+chunk_kernel = pytest.mark.skipif(not _chunk_kernel_here(), reason="no AVX512-BF16 here: SDPA serves prompt chunks")
+
+
+@chunk_kernel
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(64, 9, 3), (128, 4, 4), (32, 8, 1), (256, 4, 2)],
+                         ids=["d64-gqa3", "d128-mha", "d32-mqa", "d256-gqa2"])
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "block-major"])
+def test_prompt_chunks_take_the_chunk_kernel_and_compute_the_reference(head_dim, q_heads, kv_heads, head_major):
+    # a whole prompt, a chunk after a cached prefix, a ragged last tile, decode and verification rows beside
+    lens, nqs = [40, 300, 9, 91, 57], [40, 37, 1, 64, 4]
+    q, pool, tables, seq_lens, starts = batch(11, lens, nqs, dtype=torch.bfloat16, kv_heads=kv_heads, q_heads=q_heads,
+                                              head_dim=head_dim, head_major=head_major)
+    got = paged_attention(q, pool, tables, seq_lens, starts, head_dim ** -0.5, impl="cpu")
+    want = paged_attention_reference(q, pool, tables, seq_lens, starts, head_dim ** -0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    # both round float32 results to bfloat16: at most one unit in the last place apart
+    assert rel(got, want) < 8e-3
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-3).float().mean() > 0.999
+    # the chunk rows are the chunk kernel's, the short rows the step kernel's, each in its place
+    chunk = cpu_attention.chunk_attention_cpu(q[40:77], pool, tables[1], 300, head_dim ** -0.5)
+    assert torch.equal(got[40:77], chunk)
+    one = cpu_attention.paged_attention_cpu(q[77:78], pool, tables[2:3], seq_lens[2:3],
+                                            torch.tensor([0, 1], dtype=torch.int32), head_dim ** -0.5)
+    assert torch.equal(got[77:78], one)
+
+
+@chunk_kernel
+def test_a_chunk_row_sees_exactly_the_keys_at_or_before_its_position():
+    """Causality inside the kernel's tiles: changing the keys and values after a query's position changes
+    nothing in its row, changing one at its position changes it."""
+    q, pool, tables, seq_lens, starts = batch(12, [70], [70], dtype=torch.bfloat16, block_size=16)
+    before = cpu_attention.chunk_attention_cpu(q, pool, tables[0], 70, 0.125)
+    block, slot = int(tables[0, 33 // 16]), 33 % 16  # position 33
+    pool[block, :, :, slot] += 3.0
+    after = cpu_attention.chunk_attention_cpu(q, pool, tables[0], 70, 0.125)
+    assert torch.equal(after[:33], before[:33])
+    assert not torch.equal(after[33], before[33])
+
+
+@chunk_kernel
+@pytest.mark.parametrize("case", ["window", "softcap", "sinks", "float32", "head_dim-48"])
+def test_chunks_the_chunk_kernel_does_not_take_go_to_the_reference(case):
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    head_dim = 48 if case == "head_dim-48" else 64
+    q, pool, tables, seq_lens, starts = batch(13, [60], [40], dtype=dtype, head_dim=head_dim)
+    kw = {"window": {"sliding_window": 30}, "softcap": {"softcap": 20.0},
+          "sinks": {"sinks": torch.randn(q.shape[1], generator=torch.Generator().manual_seed(3))}}.get(case, {})
+    got = paged_attention(q, pool, tables, seq_lens, starts, 0.125, impl="cpu", **kw)
+    assert torch.equal(got, paged_attention_reference(q, pool, tables, seq_lens, starts, 0.125, **kw))
+    # a window no prompt reaches hides nothing: the chunk kernel takes it
+    if case == "window":
+        wide = paged_attention(q, pool, tables, seq_lens, starts, 0.125, impl="cpu", sliding_window=60)
+        assert torch.equal(wide, cpu_attention.chunk_attention_cpu(q, pool, tables[0], 60, 0.125))
+
+
+@chunk_kernel
+def test_a_chunk_whose_block_table_leaves_the_pool_is_refused_not_read():
+    q, pool, tables, seq_lens, starts = batch(14, [40], [40], dtype=torch.bfloat16)
+    tables[0, 3] = pool.shape[0]
+    with pytest.raises(IndexError, match="outside the pool"):
+        paged_attention(q, pool, tables, seq_lens, starts, 0.125, impl="cpu")
