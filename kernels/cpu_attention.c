@@ -74,26 +74,74 @@ static inline __m512 load16(const void *kv, int bf16, int64_t off) {
     return _mm512_loadu_ps((const float *)kv + off);
 }
 
-/* Cache position `pos`'s row of one head of K or V into V registers (widened to float32). */
+/* Key c's row of one head of K or V into V registers (widened to float32); offs[c]: the row's element
+ * offset in the pool (one head's), computed once per sequence (`key_offsets`) rather than by a division
+ * per key, per head, for K and for V. */
 static inline __attribute__((always_inline)) void load_vrow(__m512 *dst, const void *kv, int bf16, int64_t head_off,
-                                                            const int32_t *table, int pos, int block_size,
-                                                            int64_t s_block, int64_t s_tok, const int V) {
-    const int64_t off = head_off + row_at(table, pos, block_size, s_block, s_tok);
+                                                            const int64_t *offs, int c, const int V) {
+    const int64_t off = head_off + offs[c];
     for (int i = 0; i < V; i++) dst[i] = load16(kv, bf16, off + 16 * i);
 }
 
-/* The scores of every query row of KV head h against keys first..len-1: each key row is loaded (and
- * widened) into registers once, then dotted with each row's query, 16 lanes reduced by the fixed
- * _mm512_reduce_add_ps sequence. */
+/* 16 vectors of per-lane partial sums -> one vector of their 16 sums, key c in lane c. Each sum pairs its
+ * lanes exactly as _mm512_reduce_add_ps does (i + i+8, then + i+4, + i+2, + i+1), so a score is the same
+ * float as the one-key reduction computes, but four shuffle-and-add stages serve 16 keys at once. */
+static inline __m512 reduce16(__m512 *a) {
+    __m512 s1[8], s2[4], s3[2];
+    for (int m = 0; m < 8; m++) /* [a_2m lanes i+i8 | a_2m+1 lanes i+i8] */
+        s1[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                              _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+    for (int m = 0; m < 4; m++) /* quarter q: key 4m + q, 4 lanes */
+        s2[m] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * m], s1[2 * m + 1], 0x88),
+                              _mm512_shuffle_f32x4(s1[2 * m], s1[2 * m + 1], 0xDD));
+    for (int m = 0; m < 2; m++) /* 128-bit lane L: key 8m + L (2 lanes), key 8m + 4 + L (2 lanes) */
+        s3[m] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * m], s2[2 * m + 1], 0x44),
+                              _mm512_shuffle_ps(s2[2 * m], s2[2 * m + 1], 0xEE));
+    /* lane 4L + j: key L + 4j */
+    const __m512 s4 = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, s4);
+}
+
+/* The scores of every query row of KV head h against keys first..len-1. Keys in runs of 16: their rows
+ * widened once into a float32 buffer (L1), each query row's 16 products kept as 16 vectors of lane sums
+ * and reduced together (`reduce16`); a last run of fewer keys one key at a time. Either way a score is
+ * the lanes q[d] * k[d] accumulated over d in steps of 16, then reduced in _mm512_reduce_add_ps's order. */
 static inline __attribute__((always_inline)) void score_rows_v(
-        const float *q, const void *kv, int bf16, int64_t head_off, int64_t s_block, int64_t s_tok,
-        const int32_t *table, int block_size, int first, int len, int n, int q0, int q_heads, int h, int group,
-        int D, float scale, int window, float softcap, float *scores, const int V) {
+        const float *q, const void *kv, int bf16, int64_t head_off, const int64_t *offs, int first, int len, int n,
+        int q0, int q_heads, int h, int group, int D, float scale, int window, float softcap, float *scores,
+        const int V) {
     const int keys = len - first;
+    __m512 kbuf[16 * MAX_VEC];
+    int c = 0;
+    for (; c + 16 <= keys; c += 16) {
+        for (int t = 0; t < 16; t++)
+            load_vrow(kbuf + t * V, kv, bf16, head_off, offs, c + t, V);
+        for (int j = 0; j < n; j++) {
+            const int qpos = len - n + j;
+            for (int g = 0; g < group; g++) {
+                const float *qr = q + ((int64_t)(q0 + j) * q_heads + h * group + g) * D;
+                __m512 qv[MAX_VEC], acc[16];
+                for (int i = 0; i < V; i++) qv[i] = _mm512_loadu_ps(qr + 16 * i);
+                for (int t = 0; t < 16; t++) {
+                    __m512 x = _mm512_mul_ps(qv[0], kbuf[t * V]);
+                    for (int i = 1; i < V; i++) x = _mm512_fmadd_ps(qv[i], kbuf[t * V + i], x);
+                    acc[t] = x;
+                }
+                float *row = scores + (int64_t)(j * group + g) * keys + c;
+                _mm512_storeu_ps(row, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+                for (int t = 0; t < 16; t++) {
+                    const int pos = first + c + t;
+                    if (!(pos <= qpos && (window <= 0 || pos > qpos - window))) row[t] = -INFINITY;
+                    else if (softcap > 0.0f) row[t] = tanhf(row[t] / softcap) * softcap;
+                }
+            }
+        }
+    }
     __m512 k[MAX_VEC];
-    for (int c = 0; c < keys; c++) {
+    for (; c < keys; c++) {
         const int pos = first + c;
-        load_vrow(k, kv, bf16, head_off, table, pos, block_size, s_block, s_tok, V);
+        load_vrow(k, kv, bf16, head_off, offs, c, V);
         for (int j = 0; j < n; j++) {
             const int qpos = len - n + j;
             const int visible = pos <= qpos && (window <= 0 || pos > qpos - window);
@@ -112,40 +160,45 @@ static inline __attribute__((always_inline)) void score_rows_v(
     }
 }
 
-/* acc[r] += p[r][c] * v[c] over the keys, each value row loaded (and widened) into registers once. */
+/* acc[r] += p[r][c] * v[c] over the keys, in key order: each value row loaded (and widened) into
+ * registers once, the sums of RB rows at a time held in registers (not re-read from memory per key). */
 static inline __attribute__((always_inline)) void value_rows_v(
-        const void *kv, int bf16, int64_t head_off, int64_t s_block, int64_t s_tok, const int32_t *table,
-        int block_size, int first, int keys, int R, int D, const float *scores, float *acc, const int V) {
-    __m512 v[MAX_VEC];
-    for (int c = 0; c < keys; c++) {
-        const int pos = first + c;
-        load_vrow(v, kv, bf16, head_off, table, pos, block_size, s_block, s_tok, V);
-        for (int r = 0; r < R; r++) {
-            const float p = scores[(int64_t)r * keys + c];
-            if (p == 0.0f) continue; /* masked (or underflowed) keys add nothing, NaN values included */
-            const __m512 pv = _mm512_set1_ps(p);
-            float *a = acc + (int64_t)r * D;
-            for (int i = 0; i < V; i++) _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(pv, v[i], _mm512_loadu_ps(a + 16 * i)));
+        const void *kv, int bf16, int64_t head_off, const int64_t *offs, int keys, int R, int D, const float *scores,
+        float *acc, const int V) {
+    const int RB = V <= 4 ? 4 : V <= 8 ? 2 : 1;
+    for (int r0 = 0; r0 < R; r0 += RB) {
+        const int rn = R - r0 < RB ? R - r0 : RB;
+        __m512 a[4][MAX_VEC];
+        for (int r = 0; r < rn; r++)
+            for (int i = 0; i < V; i++) a[r][i] = _mm512_loadu_ps(acc + (int64_t)(r0 + r) * D + 16 * i);
+        __m512 v[MAX_VEC];
+        for (int c = 0; c < keys; c++) {
+            load_vrow(v, kv, bf16, head_off, offs, c, V);
+            for (int r = 0; r < rn; r++) {
+                const float p = scores[(int64_t)(r0 + r) * keys + c];
+                if (p == 0.0f) continue; /* masked (or underflowed) keys add nothing, NaN values included */
+                const __m512 pv = _mm512_set1_ps(p);
+                for (int i = 0; i < V; i++) a[r][i] = _mm512_fmadd_ps(pv, v[i], a[r][i]);
+            }
         }
+        for (int r = 0; r < rn; r++)
+            for (int i = 0; i < V; i++) _mm512_storeu_ps(acc + (int64_t)(r0 + r) * D + 16 * i, a[r][i]);
     }
 }
 
 /* head_dim 64 and 128 (most models) with the vector count known, so the rows stay in registers */
-static void score_rows_avx512(const float *q, const void *kv, int bf16, int64_t head_off, int64_t s_block,
-                              int64_t s_tok, const int32_t *table, int block_size, int first, int len, int n, int q0,
-                              int q_heads, int h, int group, int D, float scale, int window, float softcap,
-                              float *scores) {
-#define SCORE_ARGS q, kv, bf16, head_off, s_block, s_tok, table, block_size, first, len, n, q0, q_heads, h, group, D, \
-                   scale, window, softcap, scores
+static void score_rows_avx512(const float *q, const void *kv, int bf16, int64_t head_off, const int64_t *offs,
+                              int first, int len, int n, int q0, int q_heads, int h, int group, int D, float scale,
+                              int window, float softcap, float *scores) {
+#define SCORE_ARGS q, kv, bf16, head_off, offs, first, len, n, q0, q_heads, h, group, D, scale, window, softcap, scores
     if (D == 64) score_rows_v(SCORE_ARGS, 4);
     else if (D == 128) score_rows_v(SCORE_ARGS, 8);
     else score_rows_v(SCORE_ARGS, D / 16);
 }
 
-static void value_rows_avx512(const void *kv, int bf16, int64_t head_off, int64_t s_block, int64_t s_tok,
-                              const int32_t *table, int block_size, int first, int keys, int R, int D,
+static void value_rows_avx512(const void *kv, int bf16, int64_t head_off, const int64_t *offs, int keys, int R, int D,
                               const float *scores, float *acc) {
-#define VALUE_ARGS kv, bf16, head_off, s_block, s_tok, table, block_size, first, keys, R, D, scores, acc
+#define VALUE_ARGS kv, bf16, head_off, offs, keys, R, D, scores, acc
     if (D == 64) value_rows_v(VALUE_ARGS, 4);
     else if (D == 128) value_rows_v(VALUE_ARGS, 8);
     else value_rows_v(VALUE_ARGS, D / 16);
@@ -168,7 +221,8 @@ int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16
     const int group = q_heads / kv_heads;
     float *row = malloc((size_t)D * sizeof(float));
     float *scores = NULL, *acc = NULL;
-    size_t scores_cap = 0, acc_cap = 0;
+    int64_t *offs = NULL; /* key c's row offset within one head of K or V, per sequence */
+    size_t scores_cap = 0, acc_cap = 0, offs_cap = 0;
     int rc = 0;
     if (!row) return -1;
     for (int s = 0; s < S && rc == 0; s++) {
@@ -194,12 +248,19 @@ int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16
             acc = malloc(acc_cap * sizeof(float));
             if (!acc) { rc = -1; break; }
         }
+        if ((size_t)keys > offs_cap) {
+            free(offs);
+            offs_cap = (size_t)keys;
+            offs = malloc(offs_cap * sizeof(int64_t));
+            if (!offs) { rc = -1; break; }
+        }
+        for (int c = 0; c < keys; c++) offs[c] = row_at(table, first + c, block_size, s_block, s_tok);
         for (int h = 0; h < kv_heads; h++) {
             /* scores[r][c], r = j * group + g: query row j, query head h * group + g */
 #if defined(__AVX512F__)
             if (D % 16 == 0 && D / 16 <= MAX_VEC) {
-                score_rows_avx512(q, kv, bf16, h * s_head, s_block, s_tok, table, block_size, first, len, n, q0,
-                                  q_heads, h, group, D, scale, window, softcap, scores);
+                score_rows_avx512(q, kv, bf16, h * s_head, offs, first, len, n, q0, q_heads, h, group, D, scale, window,
+                                  softcap, scores);
             } else
 #endif
             for (int c = 0; c < keys; c++) {
@@ -234,8 +295,7 @@ int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16
             memset(acc, 0, (size_t)R * D * sizeof(float));
 #if defined(__AVX512F__)
             if (D % 16 == 0 && D / 16 <= MAX_VEC) {
-                value_rows_avx512(kv, bf16, s_kv + h * s_head, s_block, s_tok, table, block_size, first, keys, R, D,
-                                  scores, acc);
+                value_rows_avx512(kv, bf16, s_kv + h * s_head, offs, keys, R, D, scores, acc);
             } else
 #endif
             for (int c = 0; c < keys; c++) {
@@ -259,5 +319,6 @@ int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16
     free(row);
     free(scores);
     free(acc);
+    free(offs);
     return rc;
 }

@@ -7,9 +7,9 @@
  * projection, residual. Every intermediate is rounded to bfloat16 where transformers' bfloat16 modules
  * round it, so the layer computes what theirs does up to the summation order of the matmuls.
  *
- * Projections are GEMVs over weights packed for AVX512-BF16 (`pack`): blocks of 16 outputs, each holding,
- * for every pair of inputs, the 16 outputs' two weights side by side, which `vdpbf16ps` multiplies with a
- * broadcast pair of activations into 16 float32 sums at once. The weights stream from memory exactly once
+ * Projections are GEMVs over weights packed for AVX512-BF16 (`pack`): groups of 32 outputs, each holding,
+ * for every pair of inputs, the 32 outputs' two weights side by side, which `vdpbf16ps` multiplies with a
+ * broadcast pair of activations into 2 x 16 float32 sums at once. The weights stream from memory exactly once
  * per step however many rows (up to 8 per pass; a block is re-read from cache for more).
  */
 #include "cpu_attention.c"
@@ -30,14 +30,15 @@ static inline bf16 round_bf16(float f) { /* round to nearest even, as torch's fl
 static inline bf16 mul_bf16(bf16 a, bf16 b) { return round_bf16(f32(a) * f32(b)); }
 static inline bf16 add_bf16(bf16 a, bf16 b) { return round_bf16(f32(a) + f32(b)); }
 
-/* W [n, k] bfloat16 (row-major, k even) -> packed [ceil(n/16)][k/2][16][2]; outputs past n are zero. */
+/* W [n, k] bfloat16 (row-major, k even) -> packed [ceil(n/32)][k/2][32][2]: per group of 32 outputs and
+ * pair of inputs, the 32 outputs' two weights side by side (two registers); outputs past n are zero. */
 void pdserve_pack_bf16(const bf16 *w, bf16 *packed, int n, int k) {
-    const int nb = (n + 15) / 16, k2 = k / 2;
-    for (int b = 0; b < nb; b++)
+    const int ng = (n + 31) / 32, k2 = k / 2;
+    for (int b = 0; b < ng; b++)
         for (int p = 0; p < k2; p++)
-            for (int j = 0; j < 16; j++) {
-                const int o = b * 16 + j;
-                bf16 *dst = packed + (((size_t)b * k2 + p) * 16 + j) * 2;
+            for (int j = 0; j < 32; j++) {
+                const int o = b * 32 + j;
+                bf16 *dst = packed + (((size_t)b * k2 + p) * 32 + j) * 2;
                 dst[0] = o < n ? w[(size_t)o * k + 2 * p] : 0;
                 dst[1] = o < n ? w[(size_t)o * k + 2 * p + 1] : 0;
             }
@@ -45,51 +46,63 @@ void pdserve_pack_bf16(const bf16 *w, bf16 *packed, int n, int k) {
 
 #if defined(__AVX512BF16__)
 #define HAVE_BF16_GEMV 1
-/* y[r][0..n) = x[r] . W (+ bias), r < rows <= 8, rounded to bfloat16 into y (row stride ldy). */
-static inline __attribute__((always_inline)) void gemv_rows(const bf16 *x, int ldx, const bf16 *packed, int n, int k,
-                                                            const bf16 *bias, bf16 *y, int ldy, const int rows) {
-    const int nb = (n + 15) / 16, k2 = k / 2;
-    for (int b = 0; b < nb; b++) {
-        __m512 acc[8];
-        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-        const bf16 *wp = packed + (size_t)b * k2 * 32;
-        for (int p = 0; p < k2; p++) {
-            const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(wp + (size_t)p * 32));
-            for (int r = 0; r < rows; r++) {
-                uint32_t pair;
-                memcpy(&pair, x + (size_t)r * ldx + 2 * p, 4);
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)pair), w);
-            }
+/* y[r][o] = x[r] . W[o] (+ bias) for the 32 outputs of group g and rows < ROWS <= 8, rounded to bfloat16
+ * into y (row stride ldy): 2 * ROWS accumulators; the group's weights are one linear stream (two
+ * registers per pair of inputs), each used for every row. Each output sums its products in input order
+ * whatever ROWS is, so the row count never changes a result. */
+static inline __attribute__((always_inline)) void gemv_tile(const bf16 *x, int ldx, const bf16 *packed, int n, int k,
+                                                            const bf16 *bias, bf16 *y, int ldy, int g, const int ROWS) {
+    const int k2 = k / 2;
+    __m512 acc[2][8];
+    for (int r = 0; r < ROWS; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    const bf16 *wp = packed + (size_t)g * k2 * 64;
+    for (int p = 0; p < k2; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wp + (size_t)p * 64));
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wp + (size_t)p * 64 + 32));
+        for (int r = 0; r < ROWS; r++) {
+            uint32_t pair;
+            memcpy(&pair, x + (size_t)r * ldx + 2 * p, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[0][r] = _mm512_dpbf16_ps(acc[0][r], xv, w0);
+            acc[1][r] = _mm512_dpbf16_ps(acc[1][r], xv, w1);
         }
-        const int o0 = b * 16, m = n - o0 < 16 ? n - o0 : 16;
+    }
+    for (int j = 0; j < 2; j++) {
+        const int o0 = g * 32 + j * 16, m = n - o0 < 16 ? n - o0 : 16;
+        if (m <= 0) break;
         const __mmask16 mask = (__mmask16)((1u << m) - 1u);
         __m512 bv = _mm512_setzero_ps();
         if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
                            _mm256_maskz_loadu_epi16(mask, bias + o0)), 16));
-        for (int r = 0; r < rows; r++) {
-            const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r], bv));
+        for (int r = 0; r < ROWS; r++) {
+            const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j][r], bv));
             _mm256_mask_storeu_epi16(y + (size_t)r * ldy + o0, mask, h);
         }
     }
 }
 
+/* y = x . W^T for `rows` rows: output groups outermost, passes of up to 8 rows inside, so a group's weights
+ * come from memory once per step and from cache for every further pass; the row count of a pass a
+ * compile-time constant, so its accumulators stay in registers. */
 static void gemv(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, int k, const bf16 *bias, bf16 *y,
                  int ldy) {
-    for (int r0 = 0; r0 < rows; r0 += 8) {
-        const int m = rows - r0 < 8 ? rows - r0 : 8;
-        const bf16 *xr = x + (size_t)r0 * ldx;
-        bf16 *yr = y + (size_t)r0 * ldy;
-        switch (m) { /* the row count a compile-time constant: accumulators stay in registers */
-        case 1: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 1); break;
-        case 2: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 2); break;
-        case 3: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 3); break;
-        case 4: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 4); break;
-        case 5: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 5); break;
-        case 6: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 6); break;
-        case 7: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 7); break;
-        default: gemv_rows(xr, ldx, packed, n, k, bias, yr, ldy, 8); break;
+    const int ng = (n + 31) / 32;
+    for (int g = 0; g < ng; g++)
+        for (int r0 = 0; r0 < rows; r0 += 8) {
+            const int m = rows - r0 < 8 ? rows - r0 : 8;
+            const bf16 *xr = x + (size_t)r0 * ldx;
+            bf16 *yr = y + (size_t)r0 * ldy;
+            switch (m) {
+            case 1: gemv_tile(xr, ldx, packed, n, k, bias, yr, ldy, g, 1); break;
+            case 2: gemv_tile(xr, ldx, packed, n, k, bias, yr, ldy, g, 2); break;
+            case 3: gemv_tile(xr, ldx, packed, n, k, bias, yr, ldy, g, 3); break;
+            case 4: gemv_tile(xr, ldx, packed, n, k, bias, yr, ldy, g, 4); break;
+            case 5: gemv_tile(xr, ldx, packed, n, k, bias, yr, ldy, g, 5); break;
+            case 6: gemv_tile(xr, ldx, packed, n, k, bias, yr, ldy, g, 6); break;
+            case 7: gemv_tile(xr, ldx, packed, n, k, bias, yr, ldy, g, 7); break;
+            default: gemv_tile(xr, ldx, packed, n, k, bias, yr, ldy, g, 8); break;
+            }
         }
-    }
 }
 #else
 #define HAVE_BF16_GEMV 0

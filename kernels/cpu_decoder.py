@@ -58,7 +58,7 @@ def pack(weight_t: Tensor) -> Tensor:
     """A projection's weight `[in, out]` (CpuLinear's `weight_t`) in the GEMV's layout (`cpu_decoder.c`)."""
     w = weight_t.t().contiguous()
     n, k = w.shape
-    out = torch.empty(((n + 15) // 16) * 16 * k, dtype=torch.bfloat16)
+    out = torch.empty(((n + 31) // 32) * 32 * k, dtype=torch.bfloat16)
     library().pdserve_pack_bf16(w.data_ptr(), out.data_ptr(), n, k)
     return out
 

@@ -137,3 +137,16 @@ def test_a_block_table_outside_the_pool_is_an_error_not_a_read(model_dir):
                        seq_lens=torch.tensor([20], dtype=torch.int32), query_start=torch.tensor([0, 1], dtype=torch.int32))
     with torch.inference_mode(), pytest.raises(IndexError, match="sequence 0 name a block outside the pool's 16"):
         r.model.native.forward(torch.tensor([5]), torch.tensor([19]), kv, batch, torch.tensor([0]))
+
+
+@needs_native
+def test_the_native_step_runs_the_head_through_the_gemv(model_dir):
+    """The head (49152 x 576 on SmolLM2) is the GEMV's too: the logits of a native step are the GEMV of the
+    final norm's output, and as near transformers' bfloat16 head as two bfloat16 roundings allow."""
+    native = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False).model.native
+    assert native is not None and native.vocab == native.hf.lm_head.weight_t.shape[1]
+    x = torch.randn(5, native.hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    got = cpu_decoder.gemv(x, native._head, native.vocab, native._head_bias)
+    want = native.hf.lm_head(x)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert float((got.float() - want.float()).abs().max() / want.float().abs().max()) < 2 ** -7
