@@ -586,27 +586,22 @@ def _paged_attention_cpu(q, kv_pool, block_tables, seq_lens, query_start, scale,
         return paged_attention_reference(q, kv_pool, block_tables, seq_lens, query_start, scale, runs, **extra)
     t, q_heads, _, _, block_size, _ = _check_inputs(q, kv_pool, block_tables, seq_lens, query_start)
     _check_values(t, block_size, block_tables.shape[1], seq_lens.tolist(), starts)
-    if native_chunks:
-        out = torch.empty_like(q)
-        lens = seq_lens.tolist()
-        for i in long:
-            out[starts[i] : starts[i + 1]] = cpu_attention.chunk_attention_cpu(q[starts[i] : starts[i + 1]], kv_pool,
-                                                                                block_tables[i], lens[i], scale)
-        short = [i for i, n in enumerate(counts) if 0 < n <= NATIVE_MAX_ROWS]
-        if short:
-            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in short])
-            sub_starts = torch.tensor([0, *itertools.accumulate(counts[i] for i in short)], dtype=torch.int32)
-            idx = torch.tensor(short)
-            out[rows] = cpu_attention.paged_attention_cpu(q[rows], kv_pool, block_tables[idx], seq_lens[idx],
-                                                          sub_starts, scale, **extra)
-        return out
     if extra.get("sinks") is not None:
         _check_sinks(extra["sinks"], q_heads)
     if not long:
         return cpu_attention.paged_attention_cpu(q, kv_pool, block_tables, seq_lens, query_start, scale, **extra)
     out = torch.empty_like(q)
-    short = [i for i, n in enumerate(counts) if n <= NATIVE_MAX_ROWS]
-    for part, fn in ((short, cpu_attention.paged_attention_cpu), (long, paged_attention_reference)):
+    parts = [([i for i, n in enumerate(counts) if n <= NATIVE_MAX_ROWS], cpu_attention.paged_attention_cpu)]
+    if native_chunks:  # one call per prompt chunk
+        lens = seq_lens.tolist()
+        for i in long:
+            out[starts[i] : starts[i + 1]] = cpu_attention.chunk_attention_cpu(q[starts[i] : starts[i + 1]], kv_pool,
+                                                                                block_tables[i], lens[i], scale)
+    else:
+        parts.append((long, paged_attention_reference))
+    for part, fn in parts:
+        if not sum(counts[i] for i in part):
+            continue  # prompt chunks only (their kernel took them all), or no query rows in this part
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in part])
         sub_starts = torch.tensor([0, *itertools.accumulate(counts[i] for i in part)], dtype=torch.int32)
         idx = torch.tensor(part)
