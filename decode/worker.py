@@ -136,7 +136,10 @@ class DecodeWorker(WorkerBase):
         self.max_running = args.max_running
         self.kv_capacity = args.kv_capacity_bytes
         self._stepping: set[str] = set()
-        self._receiving_ids: set[str] = set()  # requests whose offer was accepted and whose KV is on its way
+        # requests from their offer's arrival (reserved before any await) until their sequences run: offer
+        # being answered, or accepted with the KV on its way
+        self._receiving_offers: dict[str, HandoffOffer] = {}
+        self._resuming: Sequence | None = None  # a preempted sequence whose KV is being recomputed
         self.receiving_tokens = 0  # prompt tokens of accepted handoffs not yet in the pool
         self.draining = False
         self._own_offers = None  # offers routed here, left at the stop
@@ -262,8 +265,11 @@ class DecodeWorker(WorkerBase):
         self.spawn(self._decode_loop(), background=True)
 
     def busy(self) -> bool:
-        """Sequences decoding, preempted, or whose KV is on its way."""
-        return bool(self.running) or bool(self.preempted) or self.receiving > 0 or super().busy()
+        """Sequences decoding, preempted or being resumed, or a request whose offer is being answered or
+        whose KV is on its way. Each of those is a client waiting on this worker: the drain must not end
+        under it, or the worker exits holding it and the client learns only that it went silent."""
+        return (bool(self.running) or bool(self.preempted) or self._resuming is not None
+                or self.receiving > 0 or bool(self._receiving_offers) or super().busy())
 
     async def on_drain(self) -> None:
         """Refuse new offers from now on (prefill re-routes them: a request routed here before the `bye`
@@ -282,12 +288,17 @@ class DecodeWorker(WorkerBase):
             log.debug("offer subscription drain: %s", e)
 
     async def on_stop(self) -> None:
-        """Past the drain timeout: fail every sequence still held, naming why."""
+        """Past the drain timeout: fail every request still held, naming why: sequences decoding, preempted
+        or being resumed, and requests whose KV had not arrived (their receive is cancelled next)."""
         await self._leave(self._own_offers)
-        for s in [*self.running.values(), *self.preempted]:
-            await self._emit(s, kind="error", error=f"decode worker {self.worker_id} stopped before finishing the "
-                             f"request (drain timeout {self.args.drain_timeout:g} s)", error_type="unavailable",
-                             status=503)
+        error = dict(kind="error", error=f"decode worker {self.worker_id} stopped before finishing the request "
+                     f"(drain timeout {self.args.drain_timeout:g} s)", error_type="unavailable", status=503)
+        held = [*self.running.values(), *self.preempted, *([self._resuming] if self._resuming else [])]
+        for s in held:
+            await self._emit(s, **error)
+        for rid, offer in list(self._receiving_offers.items()):
+            if not any(s.request_id == rid for s in held):  # nothing of it published by this worker yet
+                await self._publish(rid, offer.next_seq, **error)
         await self.receiver.close()
 
     # -- handoffs --------------------------------------------------------------------------
@@ -312,7 +323,7 @@ class DecodeWorker(WorkerBase):
             await msg.respond(refuse(f"decode worker {self.worker_id} already holds request "
                                      f"{offer.request_id}").encode())
             return
-        self._receiving_ids.add(offer.request_id)  # reserved now: a duplicate during the awaits below is refused
+        self._receiving_offers[offer.request_id] = offer  # reserved now: a duplicate during the awaits below is refused
         accepted = False
         try:
             if len(self.running) + self.receiving + offer.sampling.n - 1 >= self.max_running:
@@ -339,7 +350,7 @@ class DecodeWorker(WorkerBase):
             self.spawn(self._receive(offer, token, time.monotonic(), first))
         finally:
             if not accepted:
-                self._receiving_ids.discard(offer.request_id)
+                self._receiving_offers.pop(offer.request_id, None)
 
     async def _watch_first_token(self, offer: HandoffOffer):
         """Layer-streamed offer: (future of the first token's ids — None if prefill ended the request
@@ -416,7 +427,7 @@ class DecodeWorker(WorkerBase):
         finally:
             self.receiving -= 1
             self.receiving_tokens -= offer.num_tokens
-            self._receiving_ids.discard(rid)
+            self._receiving_offers.pop(rid, None)
         if rid in self._cancelled:
             self._cancelled.discard(rid)
             for s in seqs:
@@ -430,7 +441,7 @@ class DecodeWorker(WorkerBase):
     def _holds(self, request_id: str) -> bool:
         """Whether this worker already owns `request_id`: its KV on the way, or a sequence of it running,
         preempted or in the engine."""
-        return (request_id in self._receiving_ids or request_id in self.engine
+        return (request_id in self._receiving_offers or request_id in self.engine
                 or any(s.request_id == request_id for s in (*self.running.values(), *self.preempted)))
 
     async def _continuation(self, offer: HandoffOffer, first) -> list[Sequence]:
@@ -639,8 +650,11 @@ class DecodeWorker(WorkerBase):
                                    f"({len(s.context)} tokens); retry with a smaller max_tokens")
             self._release(s)
         while self.preempted and self._room_to_resume(self.preempted[0]):
-            s = self.preempted.popleft()
-            await self.compute(self.engine.prefill, s.key, s.context[:-1])
+            s = self._resuming = self.preempted.popleft()
+            try:
+                await self.compute(self.engine.prefill, s.key, s.context[:-1])
+            finally:
+                self._resuming = None
             if s.request_id in self._cancelled:  # cancelled while its KV was recomputed (it was in neither set)
                 if not any(p.request_id == s.request_id for p in self.preempted):
                     self._cancelled.discard(s.request_id)
@@ -754,13 +768,13 @@ class DecodeWorker(WorkerBase):
         s.span.feed(delta)
         await self._emit(s, kind="token", token_ids=committed, text=delta,
                          logprobs=logprobs[: len(committed)] if logprobs is not None else None)
-        if s.stream.done:
-            self.running.pop(rid, None)
-            self._release(s)
+        if s.stream.done:  # the last event goes out while `s` still counts as held (`busy`): a drain waits for it
             await self._emit(s, kind="done", finish_reason=s.stream.finish_reason,
                              usage=Usage(prompt_tokens=len(s.offer.prompt_token_ids),
                                          completion_tokens=len(s.generated), spec_draft_tokens=s.draft_tokens,
                                          spec_accepted_tokens=s.accepted_tokens))
+            if self.running.pop(rid, None) is not None:  # else a cancel during the emit released it
+                self._release(s)
 
 
 def main(argv: list[str]) -> int:

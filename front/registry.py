@@ -80,6 +80,16 @@ class WorkerRegistry:
         entry = self._workers.get((role, worker_id))
         return entry is not None and self.clock() - entry[0] <= entry[1].stale_after_s
 
+    def last_heard(self, role: str, worker_id: str) -> str:
+        """How the worker was last heard of, for an error that says it went silent: "its last heartbeat
+        was 3.4 s ago, after it said bye" — what tells a crash apart from a drain that ended too soon."""
+        entry = self._workers.get((role, worker_id))
+        if entry is None:
+            return "no heartbeat from it was ever seen"
+        leaving = self._leaving.get((role, worker_id)) == entry[1].generation
+        return (f"its last heartbeat was {self.clock() - entry[0]:.1f} s ago"
+                f"{', after it said bye (draining)' if leaving else ''}")
+
     def pick_decode(self, model: str, inflight: Mapping[str, int] | None = None,
                     inflight_bytes: Mapping[str, int] | None = None) -> LoadReport | None:
         """The decode worker with the most free KV capacity, then the fewest sequences.

@@ -557,7 +557,8 @@ class Generation:
                     now = time.monotonic()
                     if not f.registry.is_alive(*responsible):
                         raise RequestFailed(502, f"{responsible[0]} worker {responsible[1]} died while serving "
-                                                 f"the request", "worker_lost", code="worker_lost")
+                                                 f"the request ({f.registry.last_heard(*responsible)})",
+                                            "worker_lost", code="worker_lost")
                     bound = a.first_token_timeout if first_token_at is None else a.token_timeout
                     if now - last_event > bound:
                         raise RequestFailed(504, f"no progress from {responsible[0]} worker {responsible[1]} "

@@ -66,7 +66,7 @@ def test_registry_sees_only_its_scope_and_forgets_the_silent(nats_server):
 def test_a_draining_worker_is_followed_but_never_picked(nats_server):
     """After `bye` a worker gets no new work, yet its heartbeats keep the requests it holds followed
     (even a beat late past the staleness bound); restarted under the same id (a newer generation),
-    it is picked again."""
+    it is picked again. A request's error names how its worker was last heard of."""
     async def go():
         async with await nats.connect(**nats_server.creds.connect_kwargs()) as nc:
             clock = Clock()
@@ -89,16 +89,21 @@ def test_a_draining_worker_is_followed_but_never_picked(nats_server):
             seen.append(state("bye"))
             clock.now += 4.0  # past stale_after_s (3 s) without a beat
             seen.append(state("silent"))
+            heard = [reg.last_heard("decode", "d1"), reg.last_heard("decode", "never")]
             await send(Subjects.load, 1)  # a late beat of the draining process
             await until(lambda: reg.is_alive("decode", "d1"), "d1's late beat")
             seen.append(state("late beat"))
             await send(Subjects.load, 2)  # a new process under the same id
             await until(lambda: reg.alive("decode"), "d1's restart")
             seen.append(state("restarted"))
-            return seen
+            heard.append(reg.last_heard("decode", "d1"))
+            return seen, heard
 
-    assert asyncio.run(go()) == [("beating", True, True), ("bye", False, True), ("silent", False, False),
-                                 ("late beat", False, True), ("restarted", True, True)]
+    seen, heard = asyncio.run(go())
+    assert seen == [("beating", True, True), ("bye", False, True), ("silent", False, False),
+                    ("late beat", False, True), ("restarted", True, True)]
+    assert heard == ["its last heartbeat was 4.0 s ago, after it said bye (draining)",
+                     "no heartbeat from it was ever seen", "its last heartbeat was 0.0 s ago"]
 
 
 def test_routing_prefers_the_cached_prefix_balanced_against_load_and_decode_by_free_kv(nats_server):

@@ -100,3 +100,72 @@ def test_draining_prefill_finishes_the_prompt_it_took(cluster):
     cluster.restart("prefill-0")
     status, again = completion(cluster, prompt, 4)  # a fresh worker computes it from scratch
     assert status == 200 and again["choices"][0]["token_ids"] == out["choices"][0]["token_ids"]
+
+
+def test_a_drain_waits_for_the_offer_it_is_still_answering(nats_server, model_dir, hf, monkeypatch):
+    """A stop that arrives while the decode worker is still answering an offer (between taking it and
+    replying: choosing the transport, subscribing for a layer-streamed first token) must wait for that
+    request, which counts as held from the offer's arrival. Before, the drain saw nothing held, the worker
+    exited, the accepted request's receive was cancelled, and the client heard only that decode went silent.
+
+    In-process worker, real NATS and model. One pause is injected: the answer is held mid-way until the
+    stop has begun (no real prefill can hold it at exactly that point); no KV is sent, so after the KV
+    timeout decode recomputes the prompt (failure policy "recompute") and decodes it, greedy, exactly."""
+    from pdserve.config import DecodeConfig, load
+    from pdserve.decode.worker import DecodeWorker
+    from pdserve.kvtransfer.channel import KVReceiveChannel
+    from pdserve.kvtransfer.protocol import StreamEvent
+    from servinghelpers import hf_greedy
+
+    scope = "held-offer"
+    cfg = load(DecodeConfig, ["--model", str(model_dir), "--worker-id", "decode-held", "--dtype", "float32",
+                              "--drain-timeout", "60", "--transfer-timeout", "1", "--no-spec-calibrate"],
+               environ={**nats_server.creds.env(), "PDSERVE_SCOPE": scope})
+    worker = DecodeWorker(cfg)
+    prompt_ids = hf[0]("The capital of France is")["input_ids"]
+    n = 8
+    expected = hf_greedy(hf, prompt_ids, n, exact=True)
+
+    async def scenario():
+        answering, resume = asyncio.Event(), asyncio.Event()
+        real_expect = KVReceiveChannel.expect
+
+        async def held_expect(channel, offer):
+            answering.set()
+            await resume.wait()
+            return await real_expect(channel, offer)
+
+        monkeypatch.setattr(KVReceiveChannel, "expect", held_expect)
+        running = asyncio.create_task(worker.run())
+        events: list[StreamEvent] = []
+        done = asyncio.Event()
+        async with await nats.connect(**nats_server.creds.connect_kwargs()) as nc:
+            async def on_event(msg):
+                events.append(StreamEvent.decode(msg.data))
+                if events[-1].kind in ("done", "error"):
+                    done.set()
+            await nc.subscribe(Subjects.stream(scope, "held"), cb=on_event)
+            # its first heartbeat follows its subscriptions on its connection: it takes offers from then on
+            beats = await nc.subscribe(Subjects.load(scope, "decode", "decode-held"))
+            await beats.next_msg(timeout=120)
+            offer = HandoffOffer(request_id="held", sender_id="prefill-x", sender_generation=1,
+                                 layout=worker.runner.layout, num_tokens=len(prompt_ids), kv_bytes=1,
+                                 prompt_token_ids=prompt_ids, generated_token_ids=expected[:1],
+                                 sampling=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), seed=0,
+                                 next_seq=1, failure_policy="recompute", spec={"enabled": False})
+            reply = asyncio.ensure_future(nc.request(Subjects.decode_handoff(scope, "decode-held"), offer.encode(),
+                                                     timeout=30))
+            await asyncio.wait_for(answering.wait(), 30)
+            worker._stop.set()  # what SIGTERM does
+            await asyncio.sleep(0.5)  # the drain is under way (it polls every 50 ms) while the answer is held
+            assert not running.done(), "the worker stopped while it was still answering an offer"
+            resume.set()
+            assert HandoffReply.decode((await reply).data).accepted
+            await asyncio.wait_for(done.wait(), 120)
+            await asyncio.wait_for(running, 30)
+        return events
+
+    events = asyncio.run(scenario())
+    assert [e.kind for e in events][-1] == "done", events[-1]
+    assert [t for e in events if e.kind == "token" for t in e.token_ids] == expected[1:]
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
