@@ -37,6 +37,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.basetypes import LayoutMismatch
 from pdserve.config import DecodeConfig
+from pdserve.cpulease import CpuLease
 from pdserve.decode.drafters import make_drafter
 from pdserve.decode.speculation import LatencyModel, SpanTracker, SpeculationController
 from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
@@ -159,6 +160,10 @@ class DecodeWorker(WorkerBase):
             raise SystemExit(str(e)) from None
         self.max_batch = args.max_batch
         self.preempted: deque[Sequence] = deque()
+        # held from the first step after idle until idle again; a co-located prefill borrows it meanwhile
+        self.lease = CpuLease(args.cpu_lease) if args.cpu_lease else None
+        if self.lease is not None:
+            self.lease.offer(args.threads)
         self.spec_k_policy = args.spec.k_policy
         self.drafter = self._make_drafter(args)
         self.step_profile = None
@@ -202,6 +207,9 @@ class DecodeWorker(WorkerBase):
                                       registry=r, buckets=(0, 1, 2, 4, 8, 16, 32))
         self.m_itl = Histogram("pdserve_decode_step_seconds", "time per decode step of one sequence (1+ tokens)",
                                registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2))
+        self.m_lease_wait = Histogram("pdserve_decode_cpu_lease_wait_seconds", "waits to take the CPU lease back "
+                                      "from prefill's borrowed step, after being idle", registry=r,
+                                      buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5))
         self.m_spec_draft = Counter("pdserve_spec_draft_tokens_total", "draft tokens proposed", ["span"], registry=r)
         self.m_spec_accepted = Counter("pdserve_spec_accepted_tokens_total", "draft tokens accepted", ["span"],
                                        registry=r)
@@ -300,6 +308,8 @@ class DecodeWorker(WorkerBase):
             if not any(s.request_id == rid for s in held):  # nothing of it published by this worker yet
                 await self._publish(rid, offer.next_seq, **error)
         await self.receiver.close()
+        if self.lease is not None:
+            self.lease.close()
 
     # -- handoffs --------------------------------------------------------------------------
 
@@ -678,9 +688,15 @@ class DecodeWorker(WorkerBase):
         while True:
             await self._resume_preempted()
             if not self.running:
+                if self.lease is not None:
+                    self.lease.release()  # idle: prefill may borrow these threads until the next step
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self.lease is not None and not self.lease.held:
+                t_wait = time.perf_counter()
+                await self.compute(self.lease.hold)  # at most one borrowed prefill step away
+                self.m_lease_wait.observe(time.perf_counter() - t_wait)
             batch = next_batch(self.running, self.max_batch)
             self.steps += 1
             for s in batch:

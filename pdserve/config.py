@@ -209,6 +209,9 @@ class WorkerConfig(ReportingConfig):
                                              "float32 on the CPU")
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, le=1024, description="KV tokens per block")
     threads: int = Field(1, ge=1, le=1024, description="torch threads of the compute thread")
+    cpu_lease: str | None = Field(None, description="a lock file shared with one worker of the other role on the "
+                                                    "same cores (pdserve.cpulease): decode lends its threads to "
+                                                    "prefill's prompt steps while it is idle")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus /metrics on this port (0: off)")
     data_port: int = Field(0, ge=0, le=65535, description="KV data port (0: any free port)")
     kv_capacity_bytes: int = Field(512 << 20, gt=0, description="KV pool size in bytes")

@@ -101,7 +101,7 @@ class LocalCluster:
     def __init__(self, model: str = "default", prefill_workers: int = 1, decode_workers: int = 1,
                  port: int | None = None, nats: NatsCredentials | None = None, log_dir: str | None = None,
                  worker_args: dict[str, list[str]] | None = None, env: dict[str, str] | None = None,
-                 drain_timeout: float = UP_DRAIN_TIMEOUT_S):
+                 drain_timeout: float = UP_DRAIN_TIMEOUT_S, cpu_lease: bool = True):
         self.model = model
         self.n_prefill, self.n_decode = prefill_workers, decode_workers
         self.port = port or free_port()
@@ -112,6 +112,7 @@ class LocalCluster:
         self.worker_args = worker_args or {}
         self.extra_env = env or {}
         self.drain_timeout = drain_timeout
+        self.cpu_lease = cpu_lease
         self.procs: dict[str, subprocess.Popen] = {}
         self._log_start: dict[str, int] = {}  # child -> its log's size when it was (re)started
         self.record = ChildRecord()
@@ -126,7 +127,16 @@ class LocalCluster:
     def _env(self) -> dict[str, str]:
         env = {**os.environ, **self.creds.env(), "PDSERVE_SCOPE": self.scope, **self.extra_env}
         env.setdefault("OMP_NUM_THREADS", "1")
+        if self.cpu_lease:  # a borrowed thread sleeps at once when its step ends, rather than spin on decode's core
+            env.setdefault("GOMP_SPINCOUNT", "1000")
         return env
+
+    def _lease(self, i: int) -> str | None:
+        """The CPU lease file of prefill-i and decode-i (`pdserve.cpulease`): workers on one machine share
+        its cores, and with one request at a time the idle decode worker's thread speeds up the prompt."""
+        if not self.cpu_lease or i >= min(self.n_prefill, self.n_decode):
+            return None
+        return str(self.log_dir / f"cpu-lease-{i}")
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
         """Start `pdserve <args>` as child `name`, its output in <log_dir>/<name>.log."""
@@ -161,11 +171,13 @@ class LocalCluster:
                 self.creds = self.nats_server.creds
             # each child's flags rendered from its own settings model, as the operator renders a pod's
             for i in range(self.n_prefill):
-                cfg = PrefillConfig(model=model_dir, worker_id=f"prefill-{i}", drain_timeout=self.drain_timeout)
+                cfg = PrefillConfig(model=model_dir, worker_id=f"prefill-{i}", drain_timeout=self.drain_timeout,
+                                    cpu_lease=self._lease(i))
                 self.spawn(f"prefill-{i}", "prefill", *to_args(cfg), *self.worker_args.get("prefill", []),
                            *self.worker_args.get(f"prefill-{i}", []))
             for i in range(self.n_decode):
-                cfg = DecodeConfig(model=model_dir, worker_id=f"decode-{i}", drain_timeout=self.drain_timeout)
+                cfg = DecodeConfig(model=model_dir, worker_id=f"decode-{i}", drain_timeout=self.drain_timeout,
+                                   cpu_lease=self._lease(i))
                 self.spawn(f"decode-{i}", "decode", *to_args(cfg), *self.worker_args.get("decode", []),
                            *self.worker_args.get(f"decode-{i}", []))
             cfg = FrontConfig(model=model_dir, port=self.port, drain_timeout=self.drain_timeout)
@@ -354,6 +366,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: 1)")
     w.add_argument("--spec-method", default="ngram", choices=("none", "ngram"), help="decode-side speculation")
     w.add_argument("--spec-max-k", type=int, default=None, help="most draft tokens verified per decode step")
+    w.add_argument("--cpu-lease", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill-i borrows decode-i's threads for prompt steps while decode-i is idle "
+                        "(pdserve.cpulease; default: on)")
     return p
 
 
@@ -396,7 +411,7 @@ def main(argv: list[str]) -> int:
         except ValueError as e:
             parser.error(str(e))
         cluster = LocalCluster(args.model, args.prefill_workers, args.decode_workers, port=args.port,
-                               worker_args=children_args)
+                               worker_args=children_args, cpu_lease=args.cpu_lease)
         print(f"pdserve up: starting (logs in {cluster.log_dir}) ...", flush=True)
         cluster.start()
         return _serve(cluster, args)

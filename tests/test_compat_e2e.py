@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from pdserve.jsonmask import INITIAL, advance
 from pdserve.local import LocalCluster
 from pdserve.natsserver import free_port
-from servinghelpers import hf_greedy, metric, post
+from servinghelpers import hf_greedy, metric, post, wait_for
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -359,3 +360,31 @@ def test_openapi_json_describes_the_real_responses(cluster):
     check("ErrorResponse", err)
     with urllib.request.urlopen(cluster.url + "/v1/models", timeout=30) as r:
         check("ModelList", json.loads(r.read()))
+
+
+# -- the CPU lease --------------------------------------------------------------------------------
+
+def test_a_lone_prompt_borrows_the_idle_decode_workers_thread_and_answers_the_same(cluster, hf):
+    """`pdserve up` pairs prefill-0 with decode-0 on one CPU lease: with decode idle, a prompt's steps run
+    with its thread too, and what they compute is what one thread computes (the greedy answer equals
+    transformers'); a prompt arriving while decode steps runs alone."""
+    port = cluster.metrics_ports["prefill"]
+    prompt = "Summarise in one sentence: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(30))
+    pids = prompt_ids(hf, prompt)
+    assert len(pids) >= 64  # a step this long borrows (prefill.worker.LEASE_MIN_TOKENS)
+    before = metric(port, "pdserve_prefill_cpu_lease_steps_total")
+    got = complete(cluster, prompt, max_tokens=16, temperature=0, ignore_eos=True, spec=False)
+    assert ids(got) == hf_greedy(hf, pids, 16, exact=True)
+    assert metric(port, "pdserve_prefill_cpu_lease_steps_total") > before
+    # decode stepping holds its thread: the same prompt meanwhile (cached now: a new one) runs alone
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(complete, cluster, "Count slowly:", max_tokens=400, temperature=0, ignore_eos=True,
+                           spec=False)
+        wait_for(lambda: metric(cluster.metrics_ports["decode"], "pdserve_decode_running_sequences") == 1,
+                 "the long request decoding", 120)
+        before = metric(port, "pdserve_prefill_cpu_lease_steps_total")
+        other = complete(cluster, "Describe: " + prompt, max_tokens=2, temperature=0, spec=False)
+        during = metric(port, "pdserve_prefill_cpu_lease_steps_total") - before
+        assert not held.done(), "the long request ended before the second prompt was computed: make it longer"
+        assert held.result()["usage"]["completion_tokens"] == 400
+    assert during == 0 and other["usage"]["completion_tokens"] == 2
