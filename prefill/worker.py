@@ -70,12 +70,13 @@ log = logging.getLogger("pdserve.prefill")
 
 _JOB_IDS = itertools.count()
 # A step borrows decode's threads (pdserve.cpulease) only when it has this many tokens or more (a prompt's
-# compute, where a second core pays) and this many prompts or fewer: measured on an AMD EPYC with torch
-# 2.13, a float32 GEMM of 5-11 rows sums in another order with two threads than with one, and a step's
-# head has a row per prompt it completes; within these bounds a borrowed step computes what a one-thread
-# step computes, bit for bit (bfloat16 matched at every row count tried).
+# compute, where a second core pays) and is the one prompt waiting: a lone request's TTFT is what a second
+# core shortens. With more prompts queued, decode is about to be handed work, and each borrowed step it
+# must wait out to take its threads back costs it more than the step gains (guidellm, concurrency 4,
+# AMD EPYC Zen 4: 61.6 output tok/s borrowing with up to 4 prompts a step against 85.6 never borrowing).
+# One prompt a step is also within what computes bit for bit as one thread does: a float32 GEMM of 5-11
+# rows sums in another order with two threads (torch 2.13), and the head has a row per completed prompt.
 LEASE_MIN_TOKENS = 64
-LEASE_MAX_PROMPTS = 4
 HANDOFF_REROUTES = 3  # offers to the model's queue group after the routed decode worker did not take one
 
 
@@ -427,8 +428,8 @@ class PrefillWorker(WorkerBase):
         never borrows: it is idle-time work of this worker's own, and must not delay decode taking its
         threads back."""
         lent = 0
-        if (not self._hint_step and len(plan) <= LEASE_MAX_PROMPTS
-                and sum(n for _, n in plan) >= LEASE_MIN_TOKENS):
+        if (not self._hint_step and len(plan) == 1 and len(self.jobs) == 1
+                and plan[0][1] >= LEASE_MIN_TOKENS):
             lent = self.lease.try_borrow()
         if not lent:
             return self._step(plan)
