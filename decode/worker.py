@@ -13,6 +13,13 @@ on the worker's own subject (the front routed the request here) and, through a q
 model's (prefill re-routes there when the routed worker is gone or refused); a draining worker
 leaves the queue group and refuses every new offer, so the request goes to a worker that stays.
 
+Conditional disaggregation: when prefill's queue is long, it offers a prompt uncomputed (`kv_deferred`).
+The worker takes it while its own queue of such prompts is shorter than prefill's, and computes it in
+chunks of `--local-prefill-chunk` tokens mixed into its decode steps (one forward for both: the running
+sequences' step reads the weights anyway). With nothing running, a chunk runs alone and is larger. The
+prompt's last token is left to the first decode step, which samples the first token as prefill would
+have: the same draw from (seed, position 0).
+
 A request with n > 1 choices arrives once, without a first token: its prompt's KV is imported
 once, cut back by its last token, and forked (copy-on-write blocks) into n sequences, whose first
 step feeds that last token again — the choices share the prompt's KV instead of recomputing it.
@@ -55,6 +62,9 @@ from pdserve.workerbase import WorkerBase, run_worker
 
 log = logging.getLogger("pdserve.decode")
 OFFER_DRAIN_S = 2.0  # at most this long to answer the offers NATS had already sent when leaving a subject
+# An uncomputed prompt's chunk when no sequence is running: nobody's step waits on it, so it is prefill's
+# chunk size, which computes a prompt at full speed.
+IDLE_PREFILL_CHUNK = 256
 
 
 _ADMISSIONS = itertools.count()
@@ -89,6 +99,7 @@ class Sequence:
     accepted_tokens: int = 0
     admitted: int = field(default_factory=lambda: next(_ADMISSIONS))  # admission order, for preemption
     last_step: int = -1  # the decode step that last included it (-1: none yet)
+    prefilled: int = 0  # an uncomputed prompt (`kv_deferred`): its tokens computed here so far
 
     @property
     def context(self) -> list[int]:
@@ -142,6 +153,10 @@ class DecodeWorker(WorkerBase):
         self._receiving_offers: dict[str, HandoffOffer] = {}
         self._resuming: Sequence | None = None  # a preempted sequence whose KV is being recomputed
         self.receiving_tokens = 0  # prompt tokens of accepted handoffs not yet in the pool
+        self.local_chunk = args.local_prefill_chunk
+        # uncomputed prompts (`kv_deferred`), oldest first: computed chunk by chunk in the decode steps
+        self.prefilling: OrderedDict[str, Sequence] = OrderedDict()
+        self._chunk_blocked = False  # a chunk ran out of KV blocks: none until a sequence gives some back
         self.draining = False
         self._own_offers = None  # offers routed here, left at the stop
         self._any_offers = None  # the model's queue group, left on drain
@@ -187,8 +202,10 @@ class DecodeWorker(WorkerBase):
         self.m_running = Gauge("pdserve_decode_running_sequences", "sequences being decoded", registry=r)
         Gauge("pdserve_decode_kv_utilization", "KV capacity in use (0-1)", registry=r
               ).set_function(lambda: self.engine.utilization())
-        Gauge("pdserve_decode_waiting_sequences", "sequences waiting: KV in flight, or preempted", registry=r
-              ).set_function(lambda: self.receiving + len(self.preempted))
+        Gauge("pdserve_decode_waiting_sequences", "sequences waiting: KV in flight, prompt being computed here, "
+              "or preempted", registry=r).set_function(lambda: self.receiving + len(self.prefilling) + len(self.preempted))
+        Gauge("pdserve_decode_local_prefill_queue_tokens", "tokens of uncomputed prompts still to compute here",
+              registry=r).set_function(lambda: self._local_queued())
         Gauge("pdserve_transfer_backlog_handoffs", "KV handoffs being received", registry=r
               ).set_function(lambda: self.receiving)
         self.m_kv_bytes = Counter("pdserve_kv_transfer_received_bytes_total",
@@ -199,6 +216,10 @@ class DecodeWorker(WorkerBase):
                                    registry=r)
         self.m_recompute = Counter("pdserve_kv_recompute_total", "handoffs whose KV was lost and recomputed", registry=r)
         self.m_handoffs = Counter("pdserve_decode_handoffs_total", "handoff offers", ["outcome"], registry=r)
+        self.m_local = Counter("pdserve_decode_local_prefills_total", "prompts prefill handed over uncomputed "
+                               "(its queue was long) and computed here, by outcome", ["outcome"], registry=r)
+        self.m_local_tokens = Counter("pdserve_decode_local_prefill_tokens_total", "prompt tokens computed here "
+                                      "(conditional disaggregation)", registry=r)
         self.m_forks = Counter("pdserve_decode_choice_forks_total", "choices (n > 1) started from a request's "
                                "shared prompt KV", registry=r)
         self.steps = 0
@@ -247,7 +268,7 @@ class DecodeWorker(WorkerBase):
 
     def load_fields(self) -> dict:
         util = self.engine.utilization()
-        return dict(running=len(self.running), waiting=self.receiving + len(self.preempted),
+        return dict(running=len(self.running), waiting=self.receiving + len(self.prefilling) + len(self.preempted),
                     kv_utilization=util, kv_bytes_used=int(util * self.kv_capacity),
                     kv_bytes_capacity=self.kv_capacity, transfer_backlog_handoffs=self.receiving,
                     itl_seconds=sum(self._recent_itl) / len(self._recent_itl) if self._recent_itl else 0.0,
@@ -273,10 +294,10 @@ class DecodeWorker(WorkerBase):
         self.spawn(self._decode_loop(), background=True)
 
     def busy(self) -> bool:
-        """Sequences decoding, preempted or being resumed, or a request whose offer is being answered or
+        """Sequences decoding, preempted, being resumed or prefilled here, or a request whose offer is being answered or
         whose KV is on its way. Each of those is a client waiting on this worker: the drain must not end
         under it, or the worker exits holding it and the client learns only that it went silent."""
-        return (bool(self.running) or bool(self.preempted) or self._resuming is not None
+        return (bool(self.running) or bool(self.preempted) or bool(self.prefilling) or self._resuming is not None
                 or self.receiving > 0 or bool(self._receiving_offers) or super().busy())
 
     async def on_drain(self) -> None:
@@ -296,12 +317,13 @@ class DecodeWorker(WorkerBase):
             log.debug("offer subscription drain: %s", e)
 
     async def on_stop(self) -> None:
-        """Past the drain timeout: fail every request still held, naming why: sequences decoding, preempted
-        or being resumed, and requests whose KV had not arrived (their receive is cancelled next)."""
+        """Past the drain timeout: fail every request still held, naming why: sequences decoding, preempted,
+        being resumed or prefilled, and requests whose KV had not arrived (their receive is cancelled next)."""
         await self._leave(self._own_offers)
         error = dict(kind="error", error=f"decode worker {self.worker_id} stopped before finishing the request "
                      f"(drain timeout {self.args.drain_timeout:g} s)", error_type="unavailable", status=503)
-        held = [*self.running.values(), *self.preempted, *([self._resuming] if self._resuming else [])]
+        held = [*self.running.values(), *self.prefilling.values(), *self.preempted,
+                *([self._resuming] if self._resuming else [])]
         for s in held:
             await self._emit(s, **error)
         for rid, offer in list(self._receiving_offers.items()):
@@ -336,12 +358,22 @@ class DecodeWorker(WorkerBase):
         self._receiving_offers[offer.request_id] = offer  # reserved now: a duplicate during the awaits below is refused
         accepted = False
         try:
-            if len(self.running) + self.receiving + offer.sampling.n - 1 >= self.max_running:
+            if len(self.running) + len(self.prefilling) + self.receiving + offer.sampling.n - 1 >= self.max_running:
                 await msg.respond(refuse(f"at capacity ({self.max_running} sequences)").encode())
                 return
-            if self.preempted or not self.engine.can_admit(offer.num_tokens + self.receiving_tokens):
+            queued = self._local_queued(but=offer.request_id)
+            if self.preempted or not self.engine.can_admit(offer.num_tokens + self.receiving_tokens + queued):
                 await msg.respond(refuse(f"no KV capacity for {offer.num_tokens} tokens "
                                          f"(utilisation {self.engine.utilization():.0%})").encode())
+                return
+            if offer.kv_deferred:
+                if why := self._local_refusal(offer, queued):
+                    await msg.respond(refuse(why).encode())
+                    return
+                accepted = True
+                await msg.respond(HandoffReply(accepted=True, worker_id=self.worker_id).encode())
+                self.m_handoffs.labels("accepted").inc()
+                self.spawn(self._take_prompt(offer))
                 return
             try:
                 reply = await self.kv_channel.expect(offer)  # picks the transport and compression
@@ -361,6 +393,49 @@ class DecodeWorker(WorkerBase):
         finally:
             if not accepted:
                 self._receiving_offers.pop(offer.request_id, None)
+
+    def _local_queued(self, but: str | None = None) -> int:
+        """Tokens of the uncomputed prompts this worker holds still to compute, accepted ones not yet
+        queued included (all but request `but`'s)."""
+        todo = sum(len(s.offer.prompt_token_ids) - s.prefilled for s in self.prefilling.values())
+        return todo + sum(o.num_tokens for rid, o in self._receiving_offers.items() if o.kv_deferred and rid != but)
+
+    def _local_refusal(self, offer: HandoffOffer, queued: int) -> str | None:
+        """Why an uncomputed prompt is not taken here (it then stays with prefill), or None."""
+        if not self.local_chunk:
+            return "this worker takes no uncomputed prompts (--local-prefill-chunk 0)"
+        if offer.sampling.n != 1 or len(offer.prompt_token_ids) < 2:
+            return "an uncomputed prompt must have n = 1 and 2 or more tokens"
+        try:
+            self.runner.layout.check_matches(offer.layout)
+        except LayoutMismatch as e:
+            return str(e)
+        if len(self.running) >= self.max_batch:
+            return f"its steps are full ({len(self.running)} sequences running)"
+        if queued + offer.num_tokens > offer.queue_ahead_tokens:
+            return (f"its queue of uncomputed prompts ({queued} tokens) is no shorter than prefill's "
+                    f"({offer.queue_ahead_tokens} tokens)")
+        return None
+
+    async def _take_prompt(self, offer: HandoffOffer) -> None:
+        """An uncomputed prompt just accepted: say on its stream that this worker now answers for it, and
+        queue it for the decode loop, which computes it in chunks between (and within) its steps."""
+        rid = offer.request_id
+        try:
+            seqs = await self._continuation(offer, None)  # one, with nothing generated yet
+            await self._emit(seqs[0], kind="handoff", kv_bytes=0, kv_seconds=0.0)
+            if rid in self._cancelled:
+                self._cancelled.discard(rid)
+                self.m_local.labels("cancelled").inc()
+                return
+            self.prefilling[seqs[0].key] = seqs[0]
+            self._wake.set()
+        except Exception as e:
+            log.exception("taking the uncomputed prompt of %s failed", rid)
+            await self._publish(rid, offer.next_seq, kind="error", error=f"decode could not take the prompt: {e}",
+                                error_type="unavailable", status=503)
+        finally:
+            self._receiving_offers.pop(rid, None)
 
     async def _watch_first_token(self, offer: HandoffOffer):
         """Layer-streamed offer: (future of the first token's ids — None if prefill ended the request
@@ -452,7 +527,8 @@ class DecodeWorker(WorkerBase):
         """Whether this worker already owns `request_id`: its KV on the way, or a sequence of it running,
         preempted or in the engine."""
         return (request_id in self._receiving_offers or request_id in self.engine
-                or any(s.request_id == request_id for s in (*self.running.values(), *self.preempted)))
+                or any(s.request_id == request_id
+                       for s in (*self.running.values(), *self.prefilling.values(), *self.preempted)))
 
     async def _continuation(self, offer: HandoffOffer, first) -> list[Sequence]:
         """The sequences decode continues (one per choice), or none when there is nothing to continue:
@@ -525,10 +601,17 @@ class DecodeWorker(WorkerBase):
             found = True
             self.preempted.remove(s)
             self._release(s)
+        for s in [p for p in self.prefilling.values() if p.request_id == rid]:
+            found = True
+            del self.prefilling[s.key]
+            self.m_local.labels("cancelled").inc()
+            if s.key not in self._stepping:  # else its chunk is in the step in flight; the loop releases it after
+                self._release(s)
         if not found:
             self._cancelled.add(rid)
 
     def _release(self, s: Sequence) -> None:
+        self._chunk_blocked = False  # blocks given back: an uncomputed prompt's chunk may fit again
         self.drafter.release(s.key)
         self.controller.release(s.key)
         if s.key in self.engine:  # a preempted sequence gave its blocks back already
@@ -581,8 +664,12 @@ class DecodeWorker(WorkerBase):
         self.controller.observe_draft(k, time.perf_counter() - t0)
         return draft if draft.token_ids else None
 
-    def _forward_and_verify(self, batch: list[Sequence], drafts: list) -> list[tuple[list[int], list[dict] | None]]:
+    def _forward_and_verify(self, batch: list[Sequence], drafts: list,
+                            chunk: tuple[Sequence, list[int]] | None = None) -> list[tuple[list[int], list[dict] | None]]:
         """One forward over the whole batch, verification, rollback (compute thread).
+
+        `chunk`: an uncomputed prompt's next tokens, computed in the same forward (its sequence opened
+        in the engine on its first chunk); its logits are not needed.
 
         Sequence i feeds its last token plus its k_i draft tokens; row i accepts a prefix of the
         drafts and adds the correction or bonus token (k_i = 0: a plain sampled or greedy token,
@@ -596,7 +683,13 @@ class DecodeWorker(WorkerBase):
         keys = [s.key for s in batch]
         kept = [self.engine.num_tokens(k) for k in keys]
         draft_ids = [d.token_ids if d else [] for d in drafts]
-        raw = self.engine.step([(k, [s.last_token, *ids]) for k, s, ids in zip(keys, batch, draft_ids)])
+        rows = [(k, [s.last_token, *ids]) for k, s, ids in zip(keys, batch, draft_ids)]
+        if chunk is not None:
+            local, tokens = chunk
+            if local.key not in self.engine:
+                self.engine.start(local.key, local.offer.prompt_token_ids[:-1], reuse_prefix=False)
+            rows.append((local.key, tokens))
+        raw = self.engine.step(rows, last_only=[False] * len(batch) + [True] * (chunk is not None))[: len(batch)]
         logits = [s.processor.process(x, ids) if s.processor else x for s, x, ids in zip(batch, raw, draft_ids)]
         committed: list[list[int]] = [[] for _ in batch]
         sampled = []
@@ -684,10 +777,45 @@ class DecodeWorker(WorkerBase):
         self.m_preempted.inc()
         log.warning("KV pool full: preempted %s (will recompute)", victim.key)
 
+    def _next_chunk(self, budget: int, rows: int) -> tuple[Sequence, list[int]] | None:
+        """The oldest uncomputed prompt's next `budget` tokens at most (all of its prompt but the last token,
+        which its first decode step feeds), if the pool has room for them beside `rows` growing sequences."""
+        if not self.prefilling or self._chunk_blocked:
+            return None
+        s = next(iter(self.prefilling.values()))
+        todo = s.offer.prompt_token_ids[s.prefilled : -1]
+        n = min(budget, len(todo))
+        if not self.engine.can_admit(n + self.engine.layout.block_size * (rows + 1)):
+            return None
+        return s, todo[:n]
+
+    def _chunk_done(self, s: Sequence, n: int) -> None:
+        """`n` more tokens of uncomputed prompt `s` are in the pool; once all are, it joins the running set."""
+        if s.key not in self.prefilling:  # cancelled while the step ran
+            self._release(s)
+            return
+        s.prefilled += n
+        self.m_local_tokens.inc(n)
+        if s.prefilled == len(s.offer.prompt_token_ids) - 1:
+            del self.prefilling[s.key]
+            self.m_local.labels("computed").inc()
+            self.running[s.key] = s
+            self.m_running.set(len(self.running))
+
+    async def _fail_unplaceable_prompt(self) -> None:
+        """Nothing runs, nothing arrives, and the oldest uncomputed prompt's next chunk still does not fit: the
+        pool is full of prompts being computed here. The oldest is failed, which frees its blocks."""
+        s = self.prefilling.pop(next(iter(self.prefilling)))
+        self.m_local.labels("failed").inc()
+        await self._emit(s, kind="error", status=503, error_type="unavailable",
+                         error=f"decode worker {self.worker_id}: no KV room to compute the prompt "
+                               f"({len(s.offer.prompt_token_ids)} tokens)")
+        self._release(s)
+
     async def _decode_loop(self) -> None:
         while True:
             await self._resume_preempted()
-            if not self.running:
+            if not self.running and not self.prefilling:
                 if self.lease is not None:
                     self.lease.release()  # idle: prefill may borrow these threads until the next step
                 self._wake.clear()
@@ -697,7 +825,7 @@ class DecodeWorker(WorkerBase):
                 t_wait = time.perf_counter()
                 await self.compute(self.lease.hold)  # at most one borrowed prefill step away
                 self.m_lease_wait.observe(time.perf_counter() - t_wait)
-            batch = next_batch(self.running, self.max_batch)
+            batch = next_batch(self.running, self.max_batch) if self.running else []
             self.steps += 1
             for s in batch:
                 if s.last_step >= 0:
@@ -716,32 +844,56 @@ class DecodeWorker(WorkerBase):
                 batch = [s for i, s in enumerate(batch) if i not in cancelled]
                 drafts = [d for i, d in enumerate(drafts) if i not in cancelled]
                 self._stepping = {s.key for s in batch}
-                if not batch:
-                    continue
+            # an uncomputed prompt's chunk joins the step: small beside running sequences (their next token
+            # waits for it), prefill-sized when nothing runs
+            chunk = self._next_chunk(self.local_chunk if batch else IDLE_PREFILL_CHUNK, len(batch))
+            if chunk is not None:
+                self._stepping.add(chunk[0].key)
+            elif not batch:
+                if self.prefilling and not self.running and not self.receiving:
+                    await self._fail_unplaceable_prompt()
+                else:  # a chunk waits for room that a KV arriving or a sequence ending brings
+                    await asyncio.sleep(0.01)
+                continue
             t0 = time.perf_counter()
             try:
-                committed = await self.compute(self._forward_and_verify, batch, drafts)
+                committed = await self.compute(self._forward_and_verify, batch, drafts, chunk)
             except OutOfBlocks:
                 self._stepping = set()
                 for s in batch:
                     if s.key not in self.running:  # cancelled while the step ran: its KV goes now
                         self._release(s)
-                if live := [s for s in batch if s.key in self.running]:
+                if chunk is not None:  # the chunk did not fit: the step goes again without one
+                    if chunk[0].key not in self.prefilling:
+                        self._release(chunk[0])
+                    self._chunk_blocked = True
+                elif live := [s for s in batch if s.key in self.running]:
                     self._preempt(live)
                 continue
             except Exception as e:
-                log.exception("decode step failed for %d sequences", len(batch))
+                log.exception("decode step failed for %d sequences%s", len(batch), " and a prompt chunk" if chunk else "")
                 self._stepping = set()
                 for s in batch:
                     if self.running.pop(s.key, None) is not None:
                         await self._emit(s, kind="error", error=f"decode failed: {e}", error_type="server_error",
                                          status=500)
                     self._release(s)
+                if chunk is not None:
+                    if self.prefilling.pop(chunk[0].key, None) is not None:
+                        self.m_local.labels("failed").inc()
+                        await self._emit(chunk[0], kind="error", error=f"decode failed computing the prompt: {e}",
+                                         error_type="server_error", status=500)
+                    self._release(chunk[0])
                 continue
             self._stepping = set()
             dt = time.perf_counter() - t0
-            fed = sum(1 + (len(d.token_ids) if d else 0) for d in drafts)
-            self.controller.observe_verify(len(batch), max(1, round(fed / len(batch))), dt)
+            if chunk is not None:
+                self._chunk_done(chunk[0], len(chunk[1]))
+            if not batch:
+                continue
+            if chunk is None:  # the latency model learns what verification costs, without prompt chunks
+                fed = sum(1 + (len(d.token_ids) if d else 0) for d in drafts)
+                self.controller.observe_verify(len(batch), max(1, round(fed / len(batch))), dt)
             self.m_itl.observe(dt)
             for s, d, (tokens, logprobs) in zip(batch, drafts, committed):
                 if s.key not in self.running:  # cancelled while the step ran

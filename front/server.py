@@ -578,6 +578,9 @@ class Generation:
                                             code=ev.error_type)
                     if ev.kind == "handoff":
                         responsible = ("decode", ev.worker_id)
+                        if queued:  # prefill is done with it (a prompt handed over uncomputed: before its first token)
+                            self._unqueue(queued)
+                            queued = None
                         if ev.kv_bytes:
                             f.m_kv_bytes.inc(ev.kv_bytes)
                             f.m_kv_seconds.observe(ev.kv_seconds or 0.0)

@@ -354,6 +354,12 @@ class HandoffOffer(Message):
     # reaches decode as prefill's seq-0 "token" event on the request's stream (decode subscribes to it
     # before replying). A "done" or "error" event from prefill instead means: nothing to continue.
     first_token_pending: bool = False
+    # Conditional disaggregation: prefill's queue is long, so the prompt comes uncomputed (no KV, no first
+    # token; num_tokens is the prompt's length, kv_bytes 0) and decode prefills it between its own steps.
+    # Decode takes it only while its own queue of such prompts is shorter than `queue_ahead_tokens`, the
+    # prompt tokens waiting at prefill ahead of it; a refusal leaves the prompt with prefill.
+    kv_deferred: bool = False
+    queue_ahead_tokens: NonNegativeInt = 0
 
 
 class HandoffReply(Message):

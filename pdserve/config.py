@@ -236,6 +236,10 @@ class PrefillConfig(WorkerConfig):
     prefix_offload: bool = Field(False, description="share prefix KV blocks with every worker through the JetStream "
                                                     "object store (offload tier)")
     prefix_offload_ttl: float = Field(3600.0, gt=0, description="seconds a stored prefix block lives")
+    defer_queue_tokens: int = Field(
+        256, ge=0, description="conditional disaggregation: offer a new prompt to its decode worker uncomputed "
+                               "(decode prefills it between its own steps) when at least this many prompt tokens "
+                               "wait here ahead of it and decode's own queue of such prompts is shorter (0: never)")
     kv: KVSendConfig = Field(default_factory=KVSendConfig)
 
 
@@ -255,6 +259,9 @@ class DecodeConfig(WorkerConfig):
         True, description="on the CPU, keep up to two more copies of the weights that make small steps "
                           "(one row, speculative verification, small batches) cheaper (with --spec-calibrate, only those "
                           "measured faster here); off saves that memory (up to 2x the model's projection weights)")
+    local_prefill_chunk: int = Field(
+        64, ge=0, description="prompts prefill hands over uncomputed (its queue is long): most of their tokens "
+                              "computed in one decode step beside the running sequences (0: refuse such prompts)")
     spec: SpeculationConfig = Field(default_factory=SpeculationConfig)
     kv: KVReceiveConfig = Field(default_factory=KVReceiveConfig)
 

@@ -34,6 +34,13 @@ each layer's KV is sent as soon as that layer's forward is done, so the wire ove
 and decode holds the KV moments after the first token. The first token then reaches decode as
 this worker's seq-0 event on the request's stream.
 
+Conditional disaggregation (`--defer-queue-tokens`): a prompt that arrives behind a long queue here
+(at least that many prompt tokens ahead of it) and whose prefix this worker does not hold is offered to
+its decode worker uncomputed. Decode takes it while its own queue of such prompts is shorter, and computes
+it in chunks inside its decode steps, on cores that would otherwise wait; it answers for the request from
+then on. A refusal leaves the prompt here, where it keeps its place in the queue. Under light load nothing
+is offered, and each phase keeps its own worker.
+
 Offload tier (`--prefix-offload`, off by default): after a prompt, its full blocks are also put
 in the JetStream object store (memory storage, TTL), and before a prompt starts, a longer prefix
 found there than in the local cache is fetched into the pool — so any worker, including a new
@@ -106,6 +113,7 @@ class Job:
     prepositioned: bool = False  # the cached part includes pre-positioned blocks
     started_at: float = 0.0  # when its first chunk was scheduled
     stream: LayerStream | None = None  # its KV is being streamed layer by layer to decode
+    offering: bool = False  # offered to decode uncomputed, no answer yet: not scheduled meanwhile
 
     @property
     def hint(self) -> bool:
@@ -152,6 +160,7 @@ class PrefillWorker(WorkerBase):
         self._offload_busy = False
         self._announced: list[str] = []  # cached block addresses, refreshed on the compute thread after each step
         self.lease = CpuLease(args.cpu_lease) if args.cpu_lease else None
+        self.defer_tokens = args.defer_queue_tokens
         r = self.registry
         self.m_lease = Counter("pdserve_prefill_cpu_lease_steps_total", "prompt steps run with an idle decode "
                                "worker's threads borrowed", registry=r)
@@ -275,7 +284,50 @@ class PrefillWorker(WorkerBase):
             self._queue(job)
 
     def _queue(self, job: Job) -> None:
+        ahead = self._defer_ahead(job)
         self.jobs.append(job)
+        if ahead is not None:
+            job.offering = True
+            self.spawn(self._defer(job, ahead))
+        self._wake.set()
+
+    def _defer_ahead(self, job: Job) -> int | None:
+        """The prompt tokens waiting here ahead of `job` if it is to be offered to decode uncomputed: the
+        queue is long, the prompt needs computing (its prefix is not cached here) and it has one choice."""
+        if not self.defer_tokens or job.req.sampling.n != 1 or len(job.token_ids) < 2:
+            return None
+        ahead = sum(j.remaining for j in self.jobs if not j.offering)
+        if ahead < self.defer_tokens or 2 * self._local_prefix(job.token_ids) >= len(job.token_ids):
+            return None
+        return ahead
+
+    async def _defer(self, job: Job, ahead: int) -> None:
+        """Offer `job`'s prompt uncomputed to the decode worker the front chose. Taken: decode answers for
+        the request from now on. Refused or nobody there: the prompt stays here, in its place."""
+        req = job.req
+        offer = self._offer(req, self.runner.layout, len(job.token_ids), 0, [], kv_deferred=True,
+                            queue_ahead_tokens=ahead)
+        target = f"decode worker {req.decode_worker_id}"
+        try:
+            raw = await self.nc.request(Subjects.decode_handoff(self.scope, req.decode_worker_id), offer.encode(),
+                                        timeout=self.offer_timeout)
+            reply = HandoffReply.decode(raw.data)
+        except nats.errors.TimeoutError:
+            # it may still take the prompt late, and two workers must never both answer one request
+            job.offering = False
+            await self._finish_job(job, error=f"{target} did not answer the offer of the uncomputed prompt "
+                                              f"within {self.offer_timeout:.1f} s", status=503)
+            return
+        except Exception as e:  # nobody listening, NATS trouble, a garbled reply: compute it here
+            log.debug("uncomputed offer of %s to %s not placed: %s", req.request_id, target, e)
+            reply = None
+        job.offering = False
+        if reply is not None and reply.accepted:
+            self.m_requests.labels("deferred").inc()
+            await self._finish_job(job)
+            return
+        if reply is not None:
+            log.debug("%s kept the prompt of %s: %s", target, req.request_id, reply.error)
         self._wake.set()
 
     def _local_prefix(self, ids: list[int]) -> int:
@@ -354,6 +406,8 @@ class PrefillWorker(WorkerBase):
         when no prompt waits, the next chunk of one pre-positioning hint."""
         plan, budget = [], self.max_batch_tokens
         for job in self.jobs:
+            if job.offering:
+                continue
             n = min(self.chunk_size, job.remaining, budget)
             if n <= 0:
                 break
@@ -599,12 +653,13 @@ class PrefillWorker(WorkerBase):
     async def _drop_cancelled(self) -> None:
         if not self._cancelled:
             return
-        for job in [j for j in self.jobs if j.req.request_id in self._cancelled]:
+        for job in [j for j in self.jobs if j.req.request_id in self._cancelled and not j.offering]:
             self._cancelled.discard(job.req.request_id)
             await self.compute(self._drop, job)
             await self._finish_job(job)
             self.m_requests.labels("cancelled").inc()
-        self._cancelled.clear()
+        # kept for a prompt still offered to decode: dropped here if decode refuses it
+        self._cancelled &= {j.req.request_id for j in self.jobs if j.offering}
 
     async def _out_of_blocks(self, plan: list[tuple[Job, int]], err: OutOfBlocks) -> None:
         """The pool cannot hold this step: give up speculative KV first, then preempt the youngest
@@ -623,7 +678,7 @@ class PrefillWorker(WorkerBase):
             self.jobs.remove(victim)
             self.jobs.append(victim)
             return
-        job = self.jobs[0]
+        job = plan[0][0]
         await self.compute(self._drop, job)
         await self._finish_job(job, error=f"the prompt ({len(job.token_ids)} tokens) does not fit the prefill KV pool: "
                                           f"{err}", status=503)
@@ -675,14 +730,14 @@ class PrefillWorker(WorkerBase):
             await self._fail(req, published, f"prefill failed: {e}")
 
     def _offer(self, req: PrefillRequest, layout, num_tokens: int, kv_bytes: int, generated: list[int],
-               first_token_pending: bool = False) -> HandoffOffer:
+               first_token_pending: bool = False, **extra) -> HandoffOffer:
         """The handoff offer of a request's KV, fenced by this worker's identity and generation."""
         return HandoffOffer(
             request_id=req.request_id, sender_id=self.worker_id, sender_generation=self.generation, layout=layout,
             num_tokens=num_tokens, kv_bytes=kv_bytes, prompt_token_ids=req.prompt_token_ids,
             generated_token_ids=generated, first_token_pending=first_token_pending, sampling=req.sampling,
             seed=req.seed, next_seq=len(generated) or int(first_token_pending), failure_policy=req.failure_policy,
-            spec=req.spec,
+            spec=req.spec, **extra,
             **self.kv_channel.offer_fields(),
         )
 
