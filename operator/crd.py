@@ -201,6 +201,15 @@ SPEC_SCHEMA = _obj({
                     "description": "Share prefix KV blocks between workers through the JetStream object store."},
         "offloadTTLSeconds": _i(1, default=3600, description="How long an offloaded prefix block lives."),
     }, default={}, description="Prefix reuse across requests: the prefill workers' cache, pre-positioning, offload."),
+    "disaggregation": _obj({
+        "deferQueueTokens": _i(0, default=256, description="A prompt arriving behind at least this many prompt "
+                                                           "tokens queued at its prefill worker goes to decode "
+                                                           "uncomputed, if decode's own queue of such prompts is "
+                                                           "shorter (0: every prompt is prefilled by prefill)."),
+        "localPrefillChunk": _i(0, default=64, description="Most tokens of such a prompt one decode step computes "
+                                                           "beside its running sequences (0: decode takes none)."),
+    }, default={}, description="Conditional disaggregation: under a long prefill queue, decode's spare step time "
+                               "computes prompts too."),
     "nats": _obj({
         "url": _s(description="External NATS URL; default: the chart's in-cluster NATS."),
         "credentialsSecret": _obj({

@@ -209,13 +209,14 @@ def settings(body: dict, spec: dict, config: OperatorConfig, pool: str) -> Setti
         values.update(
             preposition_budget_blocks=pc.get("prepositionBudgetBlocks", 256) if pc.get("prepositioning", True) else 0,
             prefix_offload=bool(pc.get("offload")), prefix_offload_ttl=pc.get("offloadTTLSeconds", 3600),
+            defer_queue_tokens=(spec.get("disaggregation") or {}).get("deferQueueTokens", 256),
             kv={"transports": t["transport"], "compression": t["compression"], "timeout": t["timeoutSeconds"]})
     if pool == "decode":
         s = spec["speculation"]
         draft = s.get("draft") if s["method"] == "draft" else None
         dp = draft_pool(spec)
         values.update(
-            data_host="0.0.0.0",
+            data_host="0.0.0.0", local_prefill_chunk=(spec.get("disaggregation") or {}).get("localPrefillChunk", 64),
             spec={"method": s["method"], "max_k": s["maxK"],
                   **({"draft_model": f"{MODELS_DIR}/{draft['path'].lstrip('/')}"} if draft else {}),
                   **({"draft_pool": True} if dp else {}),

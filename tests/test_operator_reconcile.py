@@ -357,6 +357,17 @@ def test_prefix_cache_settings_reach_front_and_prefill():
     assert (prefill.prefix_offload, prefill.prefix_offload_ttl) == (True, 60)
 
 
+def test_conditional_disaggregation_settings_reach_prefill_and_decode():
+    def settings(spec):
+        children = desired_children(isvc(spec), OperatorConfig())
+        return parsed(children, "prefill"), parsed(children, "decode")
+
+    prefill, decode = settings(None)  # on by default
+    assert (prefill.defer_queue_tokens, decode.local_prefill_chunk) == (256, 64)
+    prefill, decode = settings({"disaggregation": {"deferQueueTokens": 0, "localPrefillChunk": 32}})
+    assert (prefill.defer_queue_tokens, decode.local_prefill_chunk) == (0, 32)
+
+
 @pytest.mark.parametrize("pool_spec,device,threads", [
     ({}, "cuda", 1),                                                        # gpus default 1, no CPU given
     ({"gpus": 0, "resources": {"limits": {"cpu": "2500m"}}}, "cpu", 2),      # rounded down
