@@ -366,6 +366,12 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: 1)")
     w.add_argument("--spec-method", default="ngram", choices=("none", "ngram"), help="decode-side speculation")
     w.add_argument("--spec-max-k", type=int, default=None, help="most draft tokens verified per decode step")
+    w.add_argument("--defer-queue-tokens", type=int, default=None,
+                   help="prefill hands a prompt queued behind this many prompt tokens to decode uncomputed, "
+                        "if decode's own queue of such prompts is shorter (0: never; default: 256)")
+    w.add_argument("--local-prefill-chunk", type=int, default=None,
+                   help="most tokens of such a prompt per decode step beside running sequences (0: decode takes "
+                        "none; default: 64)")
     w.add_argument("--cpu-lease", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill-i borrows decode-i's threads for prompt steps while decode-i is idle "
                         "(pdserve.cpulease; default: on)")
@@ -390,8 +396,10 @@ def worker_args(args: argparse.Namespace) -> dict[str, list[str]]:
     given = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
     both = {k: v for k, v in given.items() if v is not None}
     spec = {"method": args.spec_method, **({"max_k": args.spec_max_k} if args.spec_max_k is not None else {})}
-    return {"prefill": to_args(_settings(PrefillConfig, **both)),
-            "decode": to_args(_settings(DecodeConfig, **both, spec=spec)),
+    prefill = {"defer_queue_tokens": args.defer_queue_tokens} if args.defer_queue_tokens is not None else {}
+    decode = {"local_prefill_chunk": args.local_prefill_chunk} if args.local_prefill_chunk is not None else {}
+    return {"prefill": to_args(_settings(PrefillConfig, **both, **prefill)),
+            "decode": to_args(_settings(DecodeConfig, **both, **decode, spec=spec)),
             # the front sizes its routing's KV estimates by the workers' element type
             "front": to_args(_settings(FrontConfig, **({"kv_dtype": args.dtype} if args.dtype else {})))}
 

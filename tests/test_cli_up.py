@@ -198,6 +198,12 @@ def test_up_hands_the_workers_options_to_each_child_as_its_own_settings():
         worker_args(_parser().parse_args(["--threads", "0"]))
     with pytest.raises(ValueError, match="--spec-max-k"):
         worker_args(_parser().parse_args(["--spec-max-k", "999"]))
+    flags = worker_args(_parser().parse_args(["--defer-queue-tokens", "0", "--local-prefill-chunk", "32"]))
+    assert load(PrefillConfig, flags["prefill"], environ={}).defer_queue_tokens == 0
+    assert load(DecodeConfig, flags["decode"], environ={}).local_prefill_chunk == 32
+    assert load(PrefillConfig, worker_args(_parser().parse_args([]))["prefill"], environ={}).defer_queue_tokens == 256
+    with pytest.raises(ValueError, match="--local-prefill-chunk: .*greater than or equal to 0"):
+        worker_args(_parser().parse_args(["--local-prefill-chunk", "-1"]))
 
 
 def test_sweep_kills_only_the_children_of_a_vanished_supervisor(tmp_path):
