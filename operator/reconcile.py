@@ -209,7 +209,7 @@ def settings(body: dict, spec: dict, config: OperatorConfig, pool: str) -> Setti
         values.update(
             preposition_budget_blocks=pc.get("prepositionBudgetBlocks", 256) if pc.get("prepositioning", True) else 0,
             prefix_offload=bool(pc.get("offload")), prefix_offload_ttl=pc.get("offloadTTLSeconds", 3600),
-            defer_queue_tokens=(spec.get("disaggregation") or {}).get("deferQueueTokens", 256),
+            defer_queue_tokens=(spec.get("disaggregation") or {}).get("deferQueueTokens"),
             kv={"transports": t["transport"], "compression": t["compression"], "timeout": t["timeoutSeconds"]})
     if pool == "decode":
         s = spec["speculation"]

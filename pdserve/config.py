@@ -236,10 +236,12 @@ class PrefillConfig(WorkerConfig):
     prefix_offload: bool = Field(False, description="share prefix KV blocks with every worker through the JetStream "
                                                     "object store (offload tier)")
     prefix_offload_ttl: float = Field(3600.0, gt=0, description="seconds a stored prefix block lives")
-    defer_queue_tokens: int = Field(
-        256, ge=0, description="conditional disaggregation: offer a new prompt to its decode worker uncomputed "
-                               "(decode prefills it between its own steps) when at least this many prompt tokens "
-                               "wait here ahead of it and decode's own queue of such prompts is shorter (0: never)")
+    defer_queue_tokens: int | None = Field(
+        None, ge=0, description="conditional disaggregation: offer a new prompt to its decode worker uncomputed "
+                                "(decode computes it inside its own steps) when at least this many prompt tokens "
+                                "wait here ahead of it and decode's own queue of such prompts is shorter; 0: never; "
+                                "default: 256 on a GPU, 0 on the CPU (there a decode step with a prompt chunk costs "
+                                "what the two cost apart: the TTFT it saves under load is paid in output rate)")
     kv: KVSendConfig = Field(default_factory=KVSendConfig)
 
 

@@ -368,7 +368,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--spec-max-k", type=int, default=None, help="most draft tokens verified per decode step")
     w.add_argument("--defer-queue-tokens", type=int, default=None,
                    help="prefill hands a prompt queued behind this many prompt tokens to decode uncomputed, "
-                        "if decode's own queue of such prompts is shorter (0: never; default: 256)")
+                        "if decode's own queue of such prompts is shorter (0: never; default: 256 on GPUs, 0 on CPUs)")
     w.add_argument("--local-prefill-chunk", type=int, default=None,
                    help="most tokens of such a prompt per decode step beside running sequences (0: decode takes "
                         "none; default: 64)")

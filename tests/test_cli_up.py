@@ -201,7 +201,7 @@ def test_up_hands_the_workers_options_to_each_child_as_its_own_settings():
     flags = worker_args(_parser().parse_args(["--defer-queue-tokens", "0", "--local-prefill-chunk", "32"]))
     assert load(PrefillConfig, flags["prefill"], environ={}).defer_queue_tokens == 0
     assert load(DecodeConfig, flags["decode"], environ={}).local_prefill_chunk == 32
-    assert load(PrefillConfig, worker_args(_parser().parse_args([]))["prefill"], environ={}).defer_queue_tokens == 256
+    assert load(PrefillConfig, worker_args(_parser().parse_args([]))["prefill"], environ={}).defer_queue_tokens is None
     with pytest.raises(ValueError, match="--local-prefill-chunk: .*greater than or equal to 0"):
         worker_args(_parser().parse_args(["--local-prefill-chunk", "-1"]))
 

@@ -150,3 +150,56 @@ def test_the_native_step_runs_the_head_through_the_gemv(model_dir):
     want = native.hf.lm_head(x)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert float((got.float() - want.float()).abs().max() / want.float().abs().max()) < 2 ** -7
+
+
+@needs_native
+def test_a_prompt_chunk_beside_a_native_step_goes_apart_and_a_failed_step_feeds_it_again(model_dir):
+    """Decode computes an uncomputed prompt's chunk in its step (`DecodeWorker._forward_and_verify`). Where the
+    running rows alone take the native decoder and the chunk would push the step past it, the chunk is its
+    own forward: the running rows then compute exactly what a step without the chunk computes, and the
+    prompt's KV grows by the chunk. If the step fails (out of blocks), the chunk is undone too, so that it
+    is fed again and never twice."""
+    from types import SimpleNamespace
+
+    from pdserve.basetypes import KVLayout, SamplingParams
+    from pdserve.decode.worker import DecodeWorker, EventSeq, Sequence
+    from pdserve.engine import OutOfBlocks
+    from pdserve.kvtransfer.protocol import HandoffOffer
+
+    def seq(key, prompt, runner):
+        layout = KVLayout(model_fingerprint="0" * 16, num_layers=30, kv_heads=3, head_dim=64, dtype="bfloat16",
+                          block_size=16)
+        offer = HandoffOffer(request_id=key, sender_id="p", sender_generation=1, layout=layout,
+                             num_tokens=len(prompt), kv_bytes=0, prompt_token_ids=prompt, generated_token_ids=[],
+                             sampling=SamplingParams(max_tokens=8, temperature=0), seed=0, next_seq=0)
+        return Sequence(offer, stream=None, events=EventSeq(0))
+
+    gen = torch.Generator().manual_seed(7)
+    # two of them end on a block boundary once prefilled: their next token needs a new block
+    running = [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in (49, 40, 33, 45)]
+    prompt = torch.randint(100, 20000, (90,), generator=gen).tolist()
+    outs = []
+    for with_chunk in (False, True):
+        runner = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False)
+        assert runner.native_rows() == cpu_decoder.MAX_ROWS
+        batch = [seq(f"r{i}", p, runner) for i, p in enumerate(running)]
+        for s in batch:
+            runner.prefill(s.key, s.offer.prompt_token_ids[:-1])
+        local = seq("local", prompt, runner)
+        worker = SimpleNamespace(engine=runner)
+        chunk = (local, prompt[:32]) if with_chunk else None  # 4 rows + 32 > 16: apart
+        outs.append(DecodeWorker._forward_and_verify(worker, batch, [None] * 4, chunk))
+        if not with_chunk:
+            continue
+        assert runner.num_tokens("local") == 32
+        for s in batch:
+            runner.rollback(s.key, len(s.offer.prompt_token_ids) - 1)  # as before the step
+        i = 0
+        while runner.pool.num_free > 2:  # room for the next chunk (2 blocks), none for the rows' growth
+            runner.prefill(f"fill{i}", [5] * 16)
+            i += 1
+        with pytest.raises(OutOfBlocks):
+            DecodeWorker._forward_and_verify(worker, batch, [None] * 4, (local, prompt[32:64]))
+        assert runner.num_tokens("local") == 32  # the chunk computed first was undone with the step
+        assert runner.pool.num_free == 2
+    assert outs[0] == outs[1]  # the running rows' tokens are those of a step without the chunk

@@ -362,8 +362,8 @@ def test_conditional_disaggregation_settings_reach_prefill_and_decode():
         children = desired_children(isvc(spec), OperatorConfig())
         return parsed(children, "prefill"), parsed(children, "decode")
 
-    prefill, decode = settings(None)  # on by default
-    assert (prefill.defer_queue_tokens, decode.local_prefill_chunk) == (256, 64)
+    prefill, decode = settings(None)  # the worker's default: on for GPUs, off on CPUs
+    assert (prefill.defer_queue_tokens, decode.local_prefill_chunk) == (None, 64)
     prefill, decode = settings({"disaggregation": {"deferQueueTokens": 0, "localPrefillChunk": 32}})
     assert (prefill.defer_queue_tokens, decode.local_prefill_chunk) == (0, 32)
 

@@ -154,6 +154,8 @@ class NativeDecoder:
             return self.hf.lm_head(x).float()
         return gemv(x, self._head, self.vocab, self._head_bias).float()
 
+    max_rows = MAX_ROWS
+
     def supports(self, kv: Tensor, rows: int) -> bool:
         """Whether a step of `rows` rows over the pool `kv` runs here: few rows, a bfloat16 CPU pool."""
         return rows <= MAX_ROWS and kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and kv.stride(-1) == 1

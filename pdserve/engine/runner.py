@@ -73,6 +73,12 @@ class PagedRunner:
     def num_tokens(self, seq_id) -> int:
         return self.pool.num_tokens(seq_id)
 
+    def native_rows(self) -> int:
+        """Most rows of a step that runs on the native CPU decoder (`engine.native`), one call per layer; 0
+        where there is none (float32, no AVX512-BF16, a GPU). Past it a step takes transformers' forward."""
+        native = self.model.native
+        return native.max_rows if native is not None and native.supports(self.pool.kv, 1) else 0
+
     def utilization(self) -> float:
         """Share of the pool's blocks in use (0-1)."""
         return self.pool.utilization()
