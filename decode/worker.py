@@ -16,7 +16,9 @@ leaves the queue group and refuses every new offer, so the request goes to a wor
 Conditional disaggregation: when prefill's queue is long, it offers a prompt uncomputed (`kv_deferred`).
 The worker takes it while its own queue of such prompts is shorter than prefill's, and computes it in
 chunks of `--local-prefill-chunk` tokens mixed into its decode steps (one forward for both: the running
-sequences' step reads the weights anyway). With nothing running, a chunk runs alone and is larger. The
+sequences' step reads the weights anyway), except where the step's rows run on the native CPU decoder
+and the chunk would push it past that: then the chunk is its own forward beside the step. With nothing
+running, a chunk runs alone and is larger. The
 prompt's last token is left to the first decode step, which samples the first token as prefill would
 have: the same draw from (seed, position 0).
 
@@ -668,8 +670,9 @@ class DecodeWorker(WorkerBase):
                             chunk: tuple[Sequence, list[int]] | None = None) -> list[tuple[list[int], list[dict] | None]]:
         """One forward over the whole batch, verification, rollback (compute thread).
 
-        `chunk`: an uncomputed prompt's next tokens, computed in the same forward (its sequence opened
-        in the engine on its first chunk); its logits are not needed.
+        `chunk`: an uncomputed prompt's next tokens, computed in the same forward, or in one of its own just
+        before where that keeps the step on the native CPU decoder (its sequence is opened in the engine on its
+        first chunk); its logits are not needed. Either way, a step that fails leaves the chunk uncomputed.
 
         Sequence i feeds its last token plus its k_i draft tokens; row i accepts a prefix of the
         drafts and adds the correction or bonus token (k_i = 0: a plain sampled or greedy token,

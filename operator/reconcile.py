@@ -185,7 +185,7 @@ def settings(body: dict, spec: dict, config: OperatorConfig, pool: str) -> Setti
 
     spec: the defaulted InferenceService spec. pool: "prefill", "decode", "front" or "draftpool". Raises
     pydantic's ValidationError when the spec asks for a value the pool's settings refuse."""
-    t, pc = spec["kvTransfer"], spec.get("prefixCache") or {}
+    t, pc, dis = spec["kvTransfer"], spec.get("prefixCache") or {}, spec.get("disaggregation") or {}
     nats: dict[str, Any] = {"url": spec.get("nats", {}).get("url") or config.nats_url}
     if _nats_ca(spec, config):
         nats["tls_ca"] = f"{NATS_CA_DIR}/ca.crt"
@@ -209,14 +209,14 @@ def settings(body: dict, spec: dict, config: OperatorConfig, pool: str) -> Setti
         values.update(
             preposition_budget_blocks=pc.get("prepositionBudgetBlocks", 256) if pc.get("prepositioning", True) else 0,
             prefix_offload=bool(pc.get("offload")), prefix_offload_ttl=pc.get("offloadTTLSeconds", 3600),
-            defer_queue_tokens=(spec.get("disaggregation") or {}).get("deferQueueTokens"),
+            defer_queue_tokens=dis.get("deferQueueTokens"),
             kv={"transports": t["transport"], "compression": t["compression"], "timeout": t["timeoutSeconds"]})
     if pool == "decode":
         s = spec["speculation"]
         draft = s.get("draft") if s["method"] == "draft" else None
         dp = draft_pool(spec)
         values.update(
-            data_host="0.0.0.0", local_prefill_chunk=(spec.get("disaggregation") or {}).get("localPrefillChunk", 64),
+            data_host="0.0.0.0", local_prefill_chunk=dis.get("localPrefillChunk", 64),
             spec={"method": s["method"], "max_k": s["maxK"],
                   **({"draft_model": f"{MODELS_DIR}/{draft['path'].lstrip('/')}"} if draft else {}),
                   **({"draft_pool": True} if dp else {}),

@@ -393,11 +393,13 @@ def _settings(cls: type[S], **values) -> S:
 def worker_args(args: argparse.Namespace) -> dict[str, list[str]]:
     """`pdserve up`'s options → each child command's flags, rendered from that command's settings
     model (so a bad value is refused here, before anything starts: ValueError naming its flag)."""
-    given = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
-    both = {k: v for k, v in given.items() if v is not None}
-    spec = {"method": args.spec_method, **({"max_k": args.spec_max_k} if args.spec_max_k is not None else {})}
-    prefill = {"defer_queue_tokens": args.defer_queue_tokens} if args.defer_queue_tokens is not None else {}
-    decode = {"local_prefill_chunk": args.local_prefill_chunk} if args.local_prefill_chunk is not None else {}
+    def given(**values) -> dict:  # the options given, the rest left to each command's defaults
+        return {k: v for k, v in values.items() if v is not None}
+
+    both = given(dtype=args.dtype, device=args.device, threads=args.threads)
+    spec = {"method": args.spec_method, **given(max_k=args.spec_max_k)}
+    prefill = given(defer_queue_tokens=args.defer_queue_tokens)
+    decode = given(local_prefill_chunk=args.local_prefill_chunk)
     return {"prefill": to_args(_settings(PrefillConfig, **both, **prefill)),
             "decode": to_args(_settings(DecodeConfig, **both, **decode, spec=spec)),
             # the front sizes its routing's KV estimates by the workers' element type

@@ -37,8 +37,8 @@ this worker's seq-0 event on the request's stream.
 Conditional disaggregation (`--defer-queue-tokens`): a prompt that arrives behind a long queue here
 (at least that many prompt tokens ahead of it) and whose prefix this worker does not hold is offered to
 its decode worker uncomputed. Decode takes it while its own queue of such prompts is shorter, and computes
-it in chunks inside its decode steps, on cores that would otherwise wait; it answers for the request from
-then on. A refusal leaves the prompt here, where it keeps its place in the queue. Under light load nothing
+it in chunks inside its decode steps (on a GPU they ride along with steps bound by reading the weights; on
+the CPU it is off by default, see `defer_tokens`); it answers for the request from then on. A refusal leaves the prompt here, where it keeps its place in the queue. Under light load nothing
 is offered, and each phase keeps its own worker.
 
 Offload tier (`--prefix-offload`, off by default): after a prompt, its full blocks are also put
