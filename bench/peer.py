@@ -1,7 +1,7 @@
 """pdserve against the serving peer a user would pick instead — vLLM's CPU build — measured by the
 benchmark client people use (guidellm), on the same machine, model and dtype, in one run.
 
-    python bench/peer.py [--dtype bfloat16] [--streams 1,4,16] [--requests 16] [--json out.json]
+    python bench/peer.py [--dtype bfloat16] [--streams 1,4,16] [--requests 16] [--rounds 3] [--json out.json]
 
 What it does, in order:
 
@@ -16,8 +16,12 @@ What it does, in order:
    processes — vLLM's default; and `0-1`: both cores).
 3. Starts `pdserve up` (NATS, prefill, decode, front as local processes) on the same model and
    dtype, runs the same guidellm profile, stops it.
-4. Prints, per concurrency level, output tokens/s, TTFT p50 and ITL p50 of each system and
-   pdserve's ratio to each vLLM run, plus errored requests (a system with any error fails the run).
+4. Repeats 2-3 `--rounds` times (default 3), the systems taking turns, so a drift of the machine
+   (another tenant, a thermal or frequency change) falls on both alike.
+5. Prints, per concurrency level, the median over the rounds of output tokens/s, TTFT p50 and ITL p50
+   of each system, the range of its tokens/s, pdserve's ratio of medians to each vLLM run, and the
+   errored requests of all rounds (a system with any error fails the run). One round of one system
+   varies by ±10 % on these 2-core machines, too much to settle a ratio from a single one.
 
 guidellm's own numbers are reported as it computes them (`output_tokens_per_second`,
 `time_to_first_token_ms`, `inter_token_latency_ms` of successful requests); the request count
@@ -221,7 +225,7 @@ def start_vllm(py: Path, model_dir: Path, name: str, dtype: str, port: int, bind
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", name,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "4096"]
     say(f"starting vLLM (binding {binding}): {' '.join(cmd[1:])}")
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
                             cwd=workdir)
     wait_http(f"http://127.0.0.1:{port}/v1/models", proc, 900, log)  # it compiles the model at every start
     return proc, log
@@ -232,7 +236,7 @@ def start_pdserve(model_dir: Path, dtype: str, port: int, workdir: Path, extra: 
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--port", str(port),
            "--dtype", dtype, *extra]
     say(f"starting pdserve: {' '.join(cmd[1:])}")
-    proc = subprocess.Popen(cmd, env={**os.environ, **OFFLINE_ENV}, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, env={**os.environ, **OFFLINE_ENV}, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
                             start_new_session=True, cwd=workdir)
     wait_http(f"http://127.0.0.1:{port}/ready", proc, 600, log)
     return proc, log
@@ -324,15 +328,47 @@ def summarize(report: dict, streams: list[int]) -> list[dict]:
     return rows
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(x for x in xs if x == x)  # NaN (a level with no successful request) drops out
+    if not xs:
+        return float("nan")
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def combine(rounds: list[list[dict]]) -> list[dict]:
+    """One system's rounds (each `summarize`'s rows) → one row per concurrency level: the median of each
+    figure over the rounds, the lowest and highest tokens/s, the errored requests of all rounds, and the
+    first error seen."""
+    out = []
+    for level in zip(*rounds):
+        tok_s = [r["output_tok_s"] for r in level]
+        seen = [x for x in tok_s if x == x]
+        out.append({
+            "concurrency": level[0]["concurrency"],
+            "output_tok_s": _median(tok_s),
+            "output_tok_s_min": min(seen) if seen else float("nan"),
+            "output_tok_s_max": max(seen) if seen else float("nan"),
+            "ttft_p50_ms": _median([r["ttft_p50_ms"] for r in level]),
+            "itl_p50_ms": _median([r["itl_p50_ms"] for r in level]),
+            "errored": sum(r["errored"] for r in level),
+            "first_error": next((r["first_error"] for r in level if r["first_error"]), None),
+            "rounds": len(level),
+        })
+    return out
+
+
 def print_table(results: dict[str, list[dict]], ours: str) -> None:
     peers = [k for k in results if k != ours]
-    head = f"{'system':<26} {'c':>3} {'out tok/s':>10} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} {'errors':>7}"
+    head = (f"{'system':<26} {'c':>3} {'out tok/s':>10} {'(range)':>13} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} "
+            f"{'errors':>7}")
     print("\n" + head)
     print("-" * len(head))
     for sysname, rows in results.items():
         for r in rows:
-            print(f"{sysname:<26} {r['concurrency']!s:>3} {r['output_tok_s']:>10.1f} {r['ttft_p50_ms']:>12.0f} "
-                  f"{r['itl_p50_ms']:>11.1f} {r['errored']:>7}")
+            spread = f"{r.get('output_tok_s_min', r['output_tok_s']):.1f}-{r.get('output_tok_s_max', r['output_tok_s']):.1f}"
+            print(f"{sysname:<26} {r['concurrency']!s:>3} {r['output_tok_s']:>10.1f} {spread:>13} "
+                  f"{r['ttft_p50_ms']:>12.0f} {r['itl_p50_ms']:>11.1f} {r['errored']:>7}")
     for peer in peers:
         print(f"\npdserve / {peer}:  (tok/s: higher is better; TTFT, ITL: lower is better)")
         for a, b in zip(results[ours], results[peer]):
@@ -352,8 +388,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="VLLM_CPU_OMP_THREADS_BIND: auto (vLLM's default, model on core 0), 0-1, or both in turn")
     p.add_argument("--skip", default="", help="comma list of systems to skip: vllm, pdserve")
     p.add_argument("--pdserve-args", default="", help="extra `pdserve up` arguments (one string)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measure every system this many times, taking turns, and report the medians")
     p.add_argument("--json", default=None, help="write every system's rows and guidellm reports here")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
 
     from pdserve.modelstore import resolve_model
 
@@ -364,39 +404,43 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-peer-"))
     say(f"logs and reports in {workdir}")
     guidellm = ensure_guidellm()
-    results: dict[str, list[dict]] = {}
-    reports: dict[str, dict] = {}
+    per_round: dict[str, list[list[dict]]] = {}
+    reports: dict[str, list[dict]] = {}
 
-    def measure(label: str, url: str) -> None:
-        say(f"{label}: machine {100 * wait_quiet():.0f} % busy before the run")
+    def measure(label: str, url: str, k: int) -> None:
+        say(f"{label}, round {k + 1}/{args.rounds}: machine {100 * wait_quiet():.0f} % busy before the run")
+        tag = f"{label}-{k + 1}"
         rep = run_guidellm(guidellm, url, name, model_dir, streams, args.requests, args.prompt_tokens,
-                           args.output_tokens, workdir / f"{label}.json", workdir / f"guidellm-{label}.log")
-        reports[label] = rep
-        results[label] = summarize(rep, streams)
+                           args.output_tokens, workdir / f"{tag}.json", workdir / f"guidellm-{tag}.log")
+        reports.setdefault(label, []).append(rep)
+        per_round.setdefault(label, []).append(summarize(rep, streams))
 
-    if "vllm" not in skip:
-        py = ensure_vllm()
-        for binding in (["auto", "0-1"] if args.vllm_binding == "both" else [args.vllm_binding]):
+    ours = "pdserve"
+    for k in range(args.rounds):
+        if "vllm" not in skip:
+            py = ensure_vllm()
+            for binding in (["auto", "0-1"] if args.vllm_binding == "both" else [args.vllm_binding]):
+                port = free_port()
+                proc, _ = start_vllm(py, model_dir, name, args.dtype, port, binding, workdir, kv_gib=2)
+                try:
+                    measure(f"vllm-cpu {VLLM_VERSION} bind={binding}", f"http://127.0.0.1:{port}", k)
+                finally:
+                    stop(proc)
+        if "pdserve" not in skip:
             port = free_port()
-            proc, _ = start_vllm(py, model_dir, name, args.dtype, port, binding, workdir, kv_gib=2)
+            proc, _ = start_pdserve(model_dir, args.dtype, port, workdir, args.pdserve_args.split())
             try:
-                measure(f"vllm-cpu {VLLM_VERSION} bind={binding}", f"http://127.0.0.1:{port}")
+                measure(ours, f"http://127.0.0.1:{port}", k)
             finally:
                 stop(proc)
-    ours = "pdserve"
-    if "pdserve" not in skip:
-        port = free_port()
-        proc, _ = start_pdserve(model_dir, args.dtype, port, workdir, args.pdserve_args.split())
-        try:
-            measure(ours, f"http://127.0.0.1:{port}")
-        finally:
-            stop(proc)
+    results = {label: combine(rows) for label, rows in per_round.items()}
 
     print(f"\nmodel {name}, dtype {args.dtype}, {args.prompt_tokens}-token prompts, {args.output_tokens}-token outputs, "
-          f"{args.requests} requests per level, /v1/completions streaming (guidellm {GUIDELLM_VERSION})")
+          f"{args.requests} requests per level, /v1/completions streaming (guidellm {GUIDELLM_VERSION}); "
+          f"medians of {args.rounds} round(s)")
     print_table(results, ours)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": results, "reports": reports}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": results, "rounds": per_round, "reports": reports}, indent=1))
     failed = [k for k, rows in results.items() if any(r["errored"] for r in rows)]
     if failed:
         for k in failed:

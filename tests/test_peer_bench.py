@@ -62,3 +62,32 @@ def test_cpu_busy_sees_a_core_kept_busy():
         spinner.wait()
     # one spinning process keeps one core of this machine's os.cpu_count() busy
     assert busy >= 0.8 / os.cpu_count(), busy
+
+
+def _row(c, tok_s, ttft, itl, errored=0, first_error=None):
+    return {"concurrency": c, "output_tok_s": tok_s, "ttft_p50_ms": ttft, "itl_p50_ms": itl, "errored": errored,
+            "first_error": first_error}
+
+
+def test_rounds_combine_into_medians_per_level_and_keep_every_error():
+    nan = float("nan")
+    rounds = [
+        [_row(1, 40.0, 300.0, 16.0), _row(16, 90.0, 7000.0, 40.0)],
+        [_row(1, 44.0, 350.0, 17.0), _row(16, 70.0, 6000.0, 45.0, errored=2, first_error="boom")],
+        [_row(1, 30.0, 320.0, 15.0), _row(16, nan, nan, nan)],  # a level with no successful request
+    ]
+    one, sixteen = peer.combine(rounds)
+    assert (one["concurrency"], one["rounds"]) == (1, 3)
+    assert one["output_tok_s"] == 40.0 and one["ttft_p50_ms"] == 320.0 and one["itl_p50_ms"] == 16.0
+    assert (one["output_tok_s_min"], one["output_tok_s_max"]) == (30.0, 44.0)
+    assert one["errored"] == 0 and one["first_error"] is None
+    # NaN drops out of the median (an even count then averages the middle two), not into it
+    assert sixteen["output_tok_s"] == 80.0 and sixteen["ttft_p50_ms"] == 6500.0
+    assert (sixteen["output_tok_s_min"], sixteen["output_tok_s_max"]) == (70.0, 90.0)
+    assert sixteen["errored"] == 2 and sixteen["first_error"] == "boom"
+
+
+def test_one_round_combines_to_itself():
+    (row,) = peer.combine([[_row(4, 66.5, 1092.0, 33.8)]])
+    assert (row["output_tok_s"], row["ttft_p50_ms"], row["itl_p50_ms"]) == (66.5, 1092.0, 33.8)
+    assert row["output_tok_s_min"] == row["output_tok_s_max"] == 66.5
