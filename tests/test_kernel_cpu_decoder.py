@@ -2,7 +2,7 @@
 
 Two bfloat16 computations of one model round differently (here the matmuls sum in another order), so
 they are compared by how far each is from the float32 forward: the native step must be as close to
-float32 as transformers' own bfloat16 step is (within 25%), on the real model and on tiny Llama and
+float32 as transformers' own bfloat16 step is (within 1.5x, in the mean over 25 forwards), on the real model and on tiny Llama and
 Qwen2 checkpoints (q/k/v biases), for one-row, verification-sized and batched ragged steps. The GEMV is
 checked against a float32 matmul of the same bfloat16 numbers. Everything is skipped on a CPU without
 AVX512-BF16 (or without a C compiler), where the engine keeps transformers' forward.
@@ -50,16 +50,24 @@ def _runners(model_dir):
     return native, torch_bf16, exact
 
 
-def _compare(model_dir, prompts: list[list[int]]):
-    """Logits of prompts (prefilled natively where they are short) and then of steps: one row, a verification,
-    a ragged batch. Each bfloat16 path's distance from float32, relative to the float32 logits' norm, is
-    chaotic step by step (a rounding either way early on grows through the layers: one step here had
-    transformers' path 7x nearer float32 than the native, the next the native 2x nearer), so they are
-    compared in sum: the native path's mean error within 2x of transformers' bfloat16 error, none past 15%
-    of the logits (a wrong rotary, norm or bias is 30-100%), and their greedy tokens mostly the same."""
+# text the steps feed, so their tokens are a continuation's, not arbitrary ids
+_STEP_TEXT = ("The river ran north past the old mill, where the miller's daughter kept the accounts and "
+              "the keys. def mean(xs):\n    return sum(xs) / len(xs)\nIn the spring the roads flooded, and "
+              "the carts waited at the ford for the water to fall. Paris, Rome and Madrid are capitals.")
+# one row, a verification, a ragged batch: each shape several times over different text
+_STEP_SHAPES = [[1], [4], [1, 2, 5], [1], [5], [2, 1, 4]] * 4
+
+
+def _compare(model_dir, prompts: list[list[int]], text_ids: list[int]):
+    """Logits of prompts (prefilled natively where they are short) and then of 24 steps of real text: one
+    row, a verification, a ragged batch. Each bfloat16 path's distance from float32, relative to the float32
+    logits' norm, is chaotic step by step (a rounding either way early on grows through the layers: steps
+    here ranged from transformers' path 3x nearer float32 than the native to the native 2x nearer, and four
+    steps once put the native's mean at 2.4x), so they are compared over many steps: the native path's mean
+    error within 1.5x of transformers' bfloat16 error (24 steps here: 0.95x on the real model, 1.0x on tiny ones), none past 15% of the
+    logits (a wrong rotary, norm or bias is 30-100%), and their greedy tokens mostly the same."""
     native, torch_bf16, exact = _runners(model_dir)
     assert native.model.native is not None and torch_bf16.model.native is None and exact.model.native is None
-    steps = [[[5]], [[7, 8, 9, 10]], [[11], [12, 13], [14, 15, 16, 17, 18]]]
     norm = torch.linalg.vector_norm
     errors, agree = {"native": [], "torch": []}, []
 
@@ -68,16 +76,20 @@ def _compare(model_dir, prompts: list[list[int]]):
         errors["torch"].append(float(norm(ref - want) / norm(want)))
         agree.extend((got.argmax(-1) == ref.argmax(-1)).tolist())
 
+    at = 0
     with torch.inference_mode():
         record(*(torch.stack([r.prefill(i, p) for i, p in enumerate(prompts)]) for r in (native, torch_bf16, exact)))
-        for feed in steps:
-            batch = [(i, ids) for i, ids in enumerate(feed)]
+        for shape in _STEP_SHAPES:
+            batch = []
+            for i, n in enumerate(shape):
+                batch.append((i, [text_ids[(at + j) % len(text_ids)] for j in range(n)]))
+                at += n
             record(*(torch.cat(r.step(batch)) for r in (native, torch_bf16, exact)))
             for r in (native, torch_bf16, exact):
                 for i, p in enumerate(prompts):
                     r.rollback(i, len(p))
     mean = {k: sum(v) / len(v) for k, v in errors.items()}
-    assert mean["native"] <= 2.0 * mean["torch"], errors
+    assert mean["native"] <= 1.5 * mean["torch"], errors
     assert max(errors["native"]) <= 0.15, errors
     assert sum(agree) >= 0.8 * len(agree), agree
 
@@ -86,7 +98,7 @@ def _compare(model_dir, prompts: list[list[int]]):
 def test_native_steps_of_the_real_model_are_as_close_to_float32_as_transformers_bfloat16(model_dir, tokenizer):
     prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def add(a, b):\n    return",
                                              "Once upon a time, in a land far away, there lived a")]
-    _compare(model_dir, prompts)
+    _compare(model_dir, prompts, tokenizer.encode(_STEP_TEXT))
 
 
 @needs_native
@@ -94,7 +106,8 @@ def test_native_steps_of_the_real_model_are_as_close_to_float32_as_transformers_
 def test_native_steps_of_tiny_llama_and_qwen2(family, tmp_path, model_dir, tokenizer):
     ckpt = make_tiny(family, tmp_path, model_dir)
     _compare(ckpt, [tokenizer.encode("The quick brown fox jumps over the lazy dog")[:9],
-                    tokenizer.encode("Once upon a time"), tokenizer.encode("def add(a, b):\n    return a + b")])
+                    tokenizer.encode("Once upon a time"), tokenizer.encode("def add(a, b):\n    return a + b")],
+             tokenizer.encode(_STEP_TEXT))
 
 
 @needs_native
