@@ -2,8 +2,9 @@
 
 Two bfloat16 computations of one model round differently (here the matmuls sum in another order), so
 they are compared by how far each is from the float32 forward: the native step must be as close to
-float32 as transformers' own bfloat16 step is (within 1.5x, in the mean over 25 forwards), on the real model and on tiny Llama and
-Qwen2 checkpoints (q/k/v biases), for one-row, verification-sized and batched ragged steps. The GEMV is
+float32 as transformers' own bfloat16 step is (within 1.5x, in the mean over 25 forwards), on the real
+model and on tiny Llama and Qwen2 checkpoints (q/k/v biases), for one-row, verification-sized and batched
+ragged steps. The GEMV is
 checked against a float32 matmul of the same bfloat16 numbers. Everything is skipped on a CPU without
 AVX512-BF16 (or without a C compiler), where the engine keeps transformers' forward.
 """
@@ -64,8 +65,9 @@ def _compare(model_dir, prompts: list[list[int]], text_ids: list[int]):
     logits' norm, is chaotic step by step (a rounding either way early on grows through the layers: steps
     here ranged from transformers' path 3x nearer float32 than the native to the native 2x nearer, and four
     steps once put the native's mean at 2.4x), so they are compared over many steps: the native path's mean
-    error within 1.5x of transformers' bfloat16 error (24 steps here: 0.95x on the real model, 1.0x on tiny ones), none past 15% of the
-    logits (a wrong rotary, norm or bias is 30-100%), and their greedy tokens mostly the same."""
+    error within 1.5x of transformers' bfloat16 error (here 0.95x on the real model, 1.0x on tiny ones),
+    none past 15% of the logits (a wrong rotary, norm or bias is 30-100%), and their greedy tokens mostly
+    the same."""
     native, torch_bf16, exact = _runners(model_dir)
     assert native.model.native is not None and torch_bf16.model.native is None and exact.model.native is None
     norm = torch.linalg.vector_norm
