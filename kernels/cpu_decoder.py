@@ -3,7 +3,8 @@
 At one to a few rows a transformers decoder layer is some forty torch ops and their Python around
 matmuls that are themselves short: on a 2-core AMD EPYC, SmolLM2-135M's one-row step took 48 ms in the
 decode worker, of which oneDNN's matmul kernels ran ~19 (perf). `pdserve_llama_layer` runs a Llama-style
-layer's whole forward in C — norms, projections (AVX512-BF16 GEMVs over weights packed for them, `pack`),
+layer's whole forward in C — norms, projections (AVX512-BF16 GEMVs over weights packed for them, `pack`, or
+AMX tiles over the same packing where the CPU has them),
 rotary embedding (the model's own cos/sin tables), the K/V write, paged attention, SiLU. Which models it
 serves and how a step calls it: `pdserve.engine.native`. Built like the attention kernel
 (`cpu_attention.build_library`); `PDSERVE_NATIVE_DECODE=0` leaves it unbuilt, as does a CPU or compiler
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -48,10 +50,22 @@ def library() -> ctypes.CDLL | None:
             lib.pdserve_llama_layer.argtypes = [p, i32, i32, i32, p, f32, i32, i32, i32, p, p, p, i64, i64, i64, i64,
                                                 i64, p, p, i64, p, p, i32, i32, f32, p]
             lib.pdserve_llama_layer.restype = ctypes.c_int
+            lib.pdserve_use_amx.argtypes = [i32]
+            lib.pdserve_use_amx.restype = i32
+            amx = lib.pdserve_use_amx(int(os.environ.get("PDSERVE_NATIVE_AMX", "1") != "0"))
+            log.info("native bfloat16 steps on %s", "AMX tiles" if amx else "AVX512-BF16")
             _lib = lib
         elif lib is not None:
             log.info("this CPU (or compiler) has no AVX512-BF16: bfloat16 steps run transformers' forward")
     return _lib
+
+
+def use_amx(on: bool) -> bool:
+    """Every native projection of this process on AMX tiles (where the CPU has them and Linux grants this
+    process their state) or on AVX512-BF16; returns whether AMX is now in use. Set once, before serving: the
+    two round differently, and a sequence's logits must not depend on when it was computed. The default is
+    AMX where it runs (`PDSERVE_NATIVE_AMX=0`: AVX512-BF16)."""
+    return bool(library().pdserve_use_amx(int(on)))
 
 
 def pack(weight_t: Tensor) -> Tensor:

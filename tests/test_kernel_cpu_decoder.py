@@ -28,19 +28,44 @@ needs_native = pytest.mark.skipif(cpu_decoder.library() is None,
                                   reason="no AVX512-BF16 or no C compiler: the native decoder is not built here")
 
 
+def _has_amx() -> bool:
+    if cpu_decoder.library() is None:
+        return False
+    had = cpu_decoder.use_amx(True)
+    cpu_decoder.use_amx(had)
+    return had
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def projection_path(request):
+    """Each GEMV path this CPU has, the process's choice restored after (AMX is the default where it runs)."""
+    if request.param == "amx" and not _has_amx():
+        pytest.skip("no AMX here (or Linux refused this process its tile state)")
+    before = cpu_decoder.use_amx(True)
+    assert cpu_decoder.use_amx(request.param == "amx") == (request.param == "amx")
+    yield request.param
+    cpu_decoder.use_amx(before)
+
+
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16])
-@pytest.mark.parametrize("n,k,bias", [(96, 64, False), (40, 32, True), (300, 130, False)])
-def test_gemv_computes_the_bfloat16_product(rows, n, k, bias):
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("n,k,bias", [(96, 64, False), (40, 32, True), (300, 130, False), (200, 576, True)])
+def test_gemv_computes_the_bfloat16_product(rows, n, k, bias, projection_path):
+    """Both paths against a float32 product of the same numbers: row counts past a tile (16) and a pass (8),
+    output counts past a group (32) and a block (64), and an input count that is no multiple of 32 (130: AMX
+    hands it to the AVX512 GEMV)."""
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
-    got = cpu_decoder.gemv(x, cpu_decoder.pack(w.t().contiguous()), n, b).float()
+    packed = cpu_decoder.pack(w.t().contiguous())
+    got = cpu_decoder.gemv(x, packed, n, b).float()
     want = x.float() @ w.float().t() + (b.float() if bias else 0)
     assert got.shape == (rows, n)
     # one bfloat16 rounding of the float32 sum: half a unit in the 8th bit of each output
     assert ((got - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()
+    # a row's result never depends on the rows beside it (a sequence's logits on its batch)
+    assert torch.equal(cpu_decoder.gemv(x[-1:], packed, n, b).float(), got[-1:])
 
 
 def _runners(model_dir):
@@ -97,7 +122,8 @@ def _compare(model_dir, prompts: list[list[int]], text_ids: list[int]):
 
 
 @needs_native
-def test_native_steps_of_the_real_model_are_as_close_to_float32_as_transformers_bfloat16(model_dir, tokenizer):
+def test_native_steps_of_the_real_model_are_as_close_to_float32_as_transformers_bfloat16(model_dir, tokenizer,
+                                                                                       projection_path):
     prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def add(a, b):\n    return",
                                              "Once upon a time, in a land far away, there lived a")]
     _compare(model_dir, prompts, tokenizer.encode(_STEP_TEXT))
@@ -105,7 +131,7 @@ def test_native_steps_of_the_real_model_are_as_close_to_float32_as_transformers_
 
 @needs_native
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_native_steps_of_tiny_llama_and_qwen2(family, tmp_path, model_dir, tokenizer):
+def test_native_steps_of_tiny_llama_and_qwen2(family, tmp_path, model_dir, tokenizer, projection_path):
     ckpt = make_tiny(family, tmp_path, model_dir)
     _compare(ckpt, [tokenizer.encode("The quick brown fox jumps over the lazy dog")[:9],
                     tokenizer.encode("Once upon a time"), tokenizer.encode("def add(a, b):\n    return a + b")],
