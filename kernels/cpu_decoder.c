@@ -208,10 +208,11 @@ static int amx_granted(void) {
     return granted;
 }
 
-/* Every GEMV of this process on AMX (on = 1, where the kernel grants the tile state) or AVX512-BF16 (0).
- * Returns whether AMX is now in use. */
+/* Every GEMV of this process on AMX (on = 1, where the kernel grants the tile state) or AVX512-BF16 (0);
+ * on < 0 changes nothing. Returns whether AMX is now in use. */
 int pdserve_use_amx(int on) {
-    amx_on = on && amx_granted();
+    if (on >= 0) amx_on = on && amx_granted();
+    else if (amx_on < 0) amx_on = amx_granted();
     return amx_on;
 }
 

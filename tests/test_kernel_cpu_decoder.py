@@ -155,8 +155,8 @@ def test_layer_hooks_and_large_steps_go_to_transformers(model_dir, tokenizer):
     calls = []
     native_forward = r.model.native.forward
     r.model.native.forward = lambda *a: calls.append(a[0].shape[0]) or native_forward(*a)
-    ids = tokenizer.encode("Once upon a time, in a land far away, there lived a king who had three daughters")
-    assert len(ids) > cpu_decoder.MAX_ROWS
+    ids = tokenizer.encode("Once upon a time, in a land far away, there lived a king who had three daughters. " * 6)
+    assert len(ids) > cpu_decoder.max_rows()
     with torch.inference_mode():
         r.prefill("a", ids)
         assert calls == []
@@ -218,29 +218,32 @@ def test_a_prompt_chunk_beside_a_native_step_goes_apart_and_a_failed_step_feeds_
     gen = torch.Generator().manual_seed(7)
     # two of them end on a block boundary once prefilled: their next token needs a new block
     running = [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in (49, 40, 33, 45)]
-    prompt = torch.randint(100, 20000, (90,), generator=gen).tolist()
+    prompt = torch.randint(100, 20000, (140,), generator=gen).tolist()
+    fast = cpu_decoder.max_rows()  # 16, or 64 on AMX
+    assert fast % 16 == 0
     outs = []
     for with_chunk in (False, True):
         runner = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False)
-        assert runner.native_rows() == cpu_decoder.MAX_ROWS
+        assert runner.native_rows() == fast
         batch = [seq(f"r{i}", p, runner) for i, p in enumerate(running)]
         for s in batch:
             runner.prefill(s.key, s.offer.prompt_token_ids[:-1])
         local = seq("local", prompt, runner)
         worker = SimpleNamespace(engine=runner)
-        chunk = (local, prompt[:32]) if with_chunk else None  # 4 rows + 32 > 16: apart
+        chunk = (local, prompt[:fast]) if with_chunk else None  # 4 rows + the chunk > fast: apart
         outs.append(DecodeWorker._forward_and_verify(worker, batch, [None] * 4, chunk))
         if not with_chunk:
             continue
-        assert runner.num_tokens("local") == 32
+        assert runner.num_tokens("local") == fast
         for s in batch:
             runner.rollback(s.key, len(s.offer.prompt_token_ids) - 1)  # as before the step
         i = 0
-        while runner.pool.num_free > 2:  # room for the next chunk (2 blocks), none for the rows' growth
+        room = fast // 16  # the next chunk's blocks, none for the rows' growth
+        while runner.pool.num_free > room:
             runner.prefill(f"fill{i}", [5] * 16)
             i += 1
         with pytest.raises(OutOfBlocks):
-            DecodeWorker._forward_and_verify(worker, batch, [None] * 4, (local, prompt[32:64]))
-        assert runner.num_tokens("local") == 32  # the chunk computed first was undone with the step
-        assert runner.pool.num_free == 2
+            DecodeWorker._forward_and_verify(worker, batch, [None] * 4, (local, prompt[fast:2 * fast]))
+        assert runner.num_tokens("local") == fast  # the chunk computed first was undone with the step
+        assert runner.pool.num_free == room
     assert outs[0] == outs[1]  # the running rows' tokens are those of a step without the chunk

@@ -1,8 +1,8 @@
 """Small bfloat16 steps of Llama-style models on the CPU, one native call per decoder layer.
 
 `NativeDecoder` packs an `HFPagedModel`'s decoder layers for `kernels/cpu_decoder.c` and runs a step of up
-to `MAX_ROWS` rows through them, keeping from transformers only the embedding, the rotary tables, the final
-norm and the head.
+to `max_rows` rows (16 on AVX512-BF16, 64 on AMX: `kernels/cpu_decoder.py`) through them, keeping from
+transformers only the embedding, the rotary tables, the final norm and the head.
 
 Which models: an architecture whose decoder layer is exactly pre-norm attention and a SiLU-gated MLP
 with transformers' Llama norm (`NATIVE_TYPES`; q/k/v biases allowed, as Qwen2 has), every layer full
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from pdserve.engine.cpustep import CpuLinear, FusedMember, FusedRMSNorm
-from pdserve.kernels.cpu_decoder import MAX_ROWS, LayerWeights, gemv, library, pack
+from pdserve.kernels.cpu_decoder import LayerWeights, gemv, library, max_rows, pack
 
 log = logging.getLogger("pdserve.engine.native")
 
@@ -123,7 +123,7 @@ class NativeDecoder:
         return cls(model, library())
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv: Tensor, batch, logits_index: Tensor) -> Tensor:
-        """`HFPagedModel.forward`'s contract for a step of at most `MAX_ROWS` rows."""
+        """`HFPagedModel.forward`'s contract for a step of at most `max_rows` rows."""
         inner = self.hf.model
         rows = input_ids.shape[0]
         h = inner.embed_tokens(input_ids).contiguous()
@@ -154,11 +154,14 @@ class NativeDecoder:
             return self.hf.lm_head(x).float()
         return gemv(x, self._head, self.vocab, self._head_bias).float()
 
-    max_rows = MAX_ROWS
+    @property
+    def max_rows(self) -> int:
+        """Most rows of a step here, by the projection path the process uses (AMX or AVX512-BF16)."""
+        return max_rows()
 
     def supports(self, kv: Tensor, rows: int) -> bool:
         """Whether a step of `rows` rows over the pool `kv` runs here: few rows, a bfloat16 CPU pool."""
-        return rows <= MAX_ROWS and kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and kv.stride(-1) == 1
+        return rows <= max_rows() and kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and kv.stride(-1) == 1
 
     def release_layer_layouts(self) -> None:
         """Drop the decoder layers' extra CpuLinear layouts ("rows", "packed"): the steps they served run here
