@@ -83,6 +83,16 @@ static inline __attribute__((always_inline)) void load_vrow(__m512 *dst, const v
     for (int i = 0; i < V; i++) dst[i] = load16(kv, bf16, off + 16 * i);
 }
 
+/* The cache lines of a row of D elements at element offset `off`, asked for ahead of their use: a sequence's
+ * blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block boundary and
+ * a step's attention waited on memory (B=16 decode rows at 300 tokens, SmolLM2-135M: 2/3 of the score loop's
+ * time on the K loads). */
+static inline void prefetch_row(const void *kv, int bf16, int64_t off, int D) {
+    const char *p = (const char *)kv + off * (bf16 ? 2 : 4);
+    const int bytes = D * (bf16 ? 2 : 4);
+    for (int b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 /* 16 vectors of per-lane partial sums -> one vector of their 16 sums, key c in lane c. Each sum pairs its
  * lanes exactly as _mm512_reduce_add_ps does (i + i+8, then + i+4, + i+2, + i+1), so a score is the same
  * float as the one-key reduction computes, but four shuffle-and-add stages serve 16 keys at once. */
@@ -115,6 +125,7 @@ static inline __attribute__((always_inline)) void score_rows_v(
     __m512 kbuf[16 * MAX_VEC];
     int c = 0;
     for (; c + 16 <= keys; c += 16) {
+        for (int t = c + 16; t < c + 32 && t < keys; t++) prefetch_row(kv, bf16, head_off + offs[t], D);
         for (int t = 0; t < 16; t++)
             load_vrow(kbuf + t * V, kv, bf16, head_off, offs, c + t, V);
         for (int j = 0; j < n; j++) {
@@ -173,6 +184,7 @@ static inline __attribute__((always_inline)) void value_rows_v(
             for (int i = 0; i < V; i++) a[r][i] = _mm512_loadu_ps(acc + (int64_t)(r0 + r) * D + 16 * i);
         __m512 v[MAX_VEC];
         for (int c = 0; c < keys; c++) {
+            if (c + 16 < keys) prefetch_row(kv, bf16, head_off + offs[c + 16], D);
             load_vrow(v, kv, bf16, head_off, offs, c, V);
             for (int r = 0; r < rn; r++) {
                 const float p = scores[(int64_t)(r0 + r) * keys + c];
