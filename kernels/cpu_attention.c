@@ -130,6 +130,11 @@ static inline __attribute__((always_inline)) void score_rows_v(
             load_vrow(kbuf + t * V, kv, bf16, head_off, offs, c + t, V);
         for (int j = 0; j < n; j++) {
             const int qpos = len - n + j;
+            if (first + c > qpos) { /* the whole run lies past this row (a prompt chunk's causal mask) */
+                for (int g = 0; g < group; g++)
+                    for (int t = 0; t < 16; t++) scores[(int64_t)(j * group + g) * keys + c + t] = -INFINITY;
+                continue;
+            }
             for (int g = 0; g < group; g++) {
                 const float *qr = q + ((int64_t)(q0 + j) * q_heads + h * group + g) * D;
                 __m512 qv[MAX_VEC], acc[16];
@@ -175,16 +180,18 @@ static inline __attribute__((always_inline)) void score_rows_v(
  * registers once, the sums of RB rows at a time held in registers (not re-read from memory per key). */
 static inline __attribute__((always_inline)) void value_rows_v(
         const void *kv, int bf16, int64_t head_off, const int64_t *offs, int keys, int R, int D, const float *scores,
-        float *acc, const int V) {
+        const int *visible, float *acc, const int V) {
     const int RB = V <= 4 ? 4 : V <= 8 ? 2 : 1;
     for (int r0 = 0; r0 < R; r0 += RB) {
         const int rn = R - r0 < RB ? R - r0 : RB;
+        int upto = 0; /* past the last key any row of this block sees */
+        for (int r = 0; r < rn; r++) upto = visible[r0 + r] > upto ? visible[r0 + r] : upto;
         __m512 a[4][MAX_VEC];
         for (int r = 0; r < rn; r++)
             for (int i = 0; i < V; i++) a[r][i] = _mm512_loadu_ps(acc + (int64_t)(r0 + r) * D + 16 * i);
         __m512 v[MAX_VEC];
-        for (int c = 0; c < keys; c++) {
-            if (c + 16 < keys) prefetch_row(kv, bf16, head_off + offs[c + 16], D);
+        for (int c = 0; c < upto; c++) {
+            if (c + 16 < upto) prefetch_row(kv, bf16, head_off + offs[c + 16], D);
             load_vrow(v, kv, bf16, head_off, offs, c, V);
             for (int r = 0; r < rn; r++) {
                 const float p = scores[(int64_t)(r0 + r) * keys + c];
@@ -209,13 +216,58 @@ static void score_rows_avx512(const float *q, const void *kv, int bf16, int64_t 
 }
 
 static void value_rows_avx512(const void *kv, int bf16, int64_t head_off, const int64_t *offs, int keys, int R, int D,
-                              const float *scores, float *acc) {
-#define VALUE_ARGS kv, bf16, head_off, offs, keys, R, D, scores, acc
+                              const float *scores, const int *visible, float *acc) {
+#define VALUE_ARGS kv, bf16, head_off, offs, keys, R, D, scores, visible, acc
     if (D == 64) value_rows_v(VALUE_ARGS, 4);
     else if (D == 128) value_rows_v(VALUE_ARGS, 8);
     else value_rows_v(VALUE_ARGS, D / 16);
 }
 #endif
+
+/* A score row's max and sum: 16 lanes, then the lanes reduced (a fixed order for a given length, so a row's
+ * result never depends on the rows beside it). Summed one by one, a 256-token prompt's rows were a serial
+ * chain of 20 million additions per forward (SmolLM2-135M), a fifth of its attention. */
+static inline float row_max(const float *x, int n, float init) {
+#if defined(__AVX512F__)
+    __m512 m = _mm512_set1_ps(init);
+    int c = 0;
+    for (; c + 16 <= n; c += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + c));
+    if (c < n) m = _mm512_mask_max_ps(m, (__mmask16)((1u << (n - c)) - 1u), m, _mm512_maskz_loadu_ps((__mmask16)((1u << (n - c)) - 1u), x + c));
+    return _mm512_reduce_max_ps(m);
+#else
+    float m = init;
+    for (int c = 0; c < n; c++) m = x[c] > m ? x[c] : m;
+    return m;
+#endif
+}
+
+static inline float row_sum(const float *x, int n) {
+#if defined(__AVX512F__)
+    __m512 a = _mm512_setzero_ps();
+    int c = 0;
+    for (; c + 16 <= n; c += 16) a = _mm512_add_ps(a, _mm512_loadu_ps(x + c));
+    if (c < n) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps((__mmask16)((1u << (n - c)) - 1u), x + c));
+    return _mm512_reduce_add_ps(a);
+#else
+    float sum = 0.0f;
+    for (int c = 0; c < n; c++) sum += x[c];
+    return sum;
+#endif
+}
+
+/* The scores and sums buffers outlive a call, one each per thread, up to 32 MB: freed, a prompt chunk's scores
+ * (hundreds of KB) goes back to the kernel, and the next layer's call faulted in and zeroed fresh pages for
+ * it (a quarter of a 256-token native prefill's time went to clear_page). */
+static __thread float *tl_scores, *tl_acc;
+static __thread size_t tl_scores_cap, tl_acc_cap;
+
+static void keep(float **slot, size_t *slot_cap, float *buf, size_t cap) {
+    if (buf && cap * sizeof(float) <= ((size_t)32 << 20)) {
+        *slot = buf, *slot_cap = cap;
+    } else {
+        free(buf);
+    }
+}
 
 /*
  * q [T, q_heads, D] float32 contiguous; out the same. kv: the layer's pool with element strides
@@ -234,9 +286,18 @@ int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16
     float *row = malloc((size_t)D * sizeof(float));
     float *scores = NULL, *acc = NULL;
     int64_t *offs = NULL; /* key c's row offset within one head of K or V, per sequence */
-    size_t scores_cap = 0, acc_cap = 0, offs_cap = 0;
+    int *visible = NULL;  /* per score row: how many keys (from `first`) it sees */
+    size_t scores_cap = 0, acc_cap = 0, offs_cap = 0, visible_cap = 0;
     int rc = 0;
     if (!row) return -1;
+    if (tl_scores_cap) { /* this thread's kept buffers (see `keep`) */
+        scores = tl_scores, scores_cap = tl_scores_cap;
+        tl_scores = NULL, tl_scores_cap = 0;
+    }
+    if (tl_acc_cap) {
+        acc = tl_acc, acc_cap = tl_acc_cap;
+        tl_acc = NULL, tl_acc_cap = 0;
+    }
     for (int s = 0; s < S && rc == 0; s++) {
         const int q0 = query_start[s], n = query_start[s + 1] - q0, len = seq_lens[s];
         if (n <= 0) continue;
@@ -265,6 +326,16 @@ int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16
             offs_cap = (size_t)keys;
             offs = malloc(offs_cap * sizeof(int64_t));
             if (!offs) { rc = -1; break; }
+        }
+        if ((size_t)R > visible_cap) {
+            free(visible);
+            visible_cap = (size_t)R;
+            visible = malloc(visible_cap * sizeof(int));
+            if (!visible) { rc = -1; break; }
+        }
+        for (int r = 0; r < R; r++) { /* causal: query row j sees keys up to its own position */
+            const int v = len - n + r / group - first + 1;
+            visible[r] = v < keys ? v : keys;
         }
         for (int c = 0; c < keys; c++) offs[c] = row_at(table, first + c, block_size, s_block, s_tok);
         for (int h = 0; h < kv_heads; h++) {
@@ -295,19 +366,21 @@ int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16
             for (int r = 0; r < R; r++) {
                 float *sc = scores + (int64_t)r * keys;
                 const float sink = sinks ? sinks[h * group + r % group] : -INFINITY;
-                float m = sink;
-                for (int c = 0; c < keys; c++) m = sc[c] > m ? sc[c] : m;
+                /* keys past the row's own position are masked: exp(-inf) = 0, so they are set, not computed */
+                const int vis = visible[r];
+                float m = row_max(sc, vis, sink);
                 float sum = sinks ? expf(sink - m) : 0.0f;
 #pragma omp simd
-                for (int c = 0; c < keys; c++) sc[c] = expf(sc[c] - m);
-                for (int c = 0; c < keys; c++) sum += sc[c];
+                for (int c = 0; c < vis; c++) sc[c] = expf(sc[c] - m);
+                for (int c = vis; c < keys; c++) sc[c] = 0.0f;
+                sum += row_sum(sc, vis);
                 const float inv = 1.0f / sum;
-                for (int c = 0; c < keys; c++) sc[c] *= inv;
+                for (int c = 0; c < vis; c++) sc[c] *= inv;
             }
             memset(acc, 0, (size_t)R * D * sizeof(float));
 #if defined(__AVX512F__)
             if (D % 16 == 0 && D / 16 <= MAX_VEC) {
-                value_rows_avx512(kv, bf16, s_kv + h * s_head, offs, keys, R, D, scores, acc);
+                value_rows_avx512(kv, bf16, s_kv + h * s_head, offs, keys, R, D, scores, visible, acc);
             } else
 #endif
             for (int c = 0; c < keys; c++) {
@@ -329,8 +402,9 @@ int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16
         }
     }
     free(row);
-    free(scores);
-    free(acc);
+    keep(&tl_scores, &tl_scores_cap, scores, scores_cap);
+    keep(&tl_acc, &tl_acc_cap, acc, acc_cap);
     free(offs);
+    free(visible);
     return rc;
 }
