@@ -148,14 +148,14 @@ def test_models_the_layer_does_not_compute_keep_transformers_forward(family, tmp
 
 
 @needs_native
-def test_layer_hooks_and_large_steps_go_to_transformers(model_dir, tokenizer):
-    """Prefill's layer streaming hooks transformers' layers, and prompt chunks are compute-bound: both keep
-    transformers' forward (seen here by the native forward never being called)."""
+def test_module_hooks_and_large_steps_go_to_transformers(model_dir, tokenizer):
+    """A module hook on a layer sees transformers' layers only, and steps past the native rows are
+    compute-bound: both keep transformers' forward (seen here by the native forward never being called)."""
     r = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64)
     calls = []
     native_forward = r.model.native.forward
     r.model.native.forward = lambda *a: calls.append(a[0].shape[0]) or native_forward(*a)
-    ids = tokenizer.encode("Once upon a time, in a land far away, there lived a king who had three daughters. " * 6)
+    ids = tokenizer.encode("Once upon a time, in a land far away, there lived a king who had three daughters. " * 16)
     assert len(ids) > cpu_decoder.max_rows()
     with torch.inference_mode():
         r.prefill("a", ids)
@@ -166,6 +166,41 @@ def test_layer_hooks_and_large_steps_go_to_transformers(model_dir, tokenizer):
         r.step([("a", [6])])
         handle.remove()
         assert calls == [1]
+
+
+@needs_native
+def test_layer_callbacks_run_on_the_native_path_and_one_that_raises_leaves_the_sequence(model_dir, tokenizer):
+    """`add_layer_hooks` (the prefill worker's layer streaming and pre-positioning yield) runs on either path:
+    the step stays native, `before(i)` comes ahead of layer i and `after(i)` once its KV is written (seen
+    by exporting that layer's KV from inside the callback: it equals the KV at the end of the step), in
+    the order added; an exception from `before` stops the step and leaves the sequence as it was."""
+    r = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False)
+    native_calls, seen, exported = [], [], {}
+    native_forward = r.model.native.forward
+    r.model.native.forward = lambda *a: native_calls.append(a[0].shape[0]) or native_forward(*a)
+    armed = {"stop_at": None}
+
+    def before(i):
+        seen.append(("before", i))
+        if armed["stop_at"] == i:
+            raise RuntimeError("stop")
+
+    r.model.add_layer_hooks(before=before, after=lambda i: seen.append(("after", i)))
+    r.model.add_layer_hooks(after=lambda i: exported.setdefault(i, r.export_layer("p", i)))
+    ids = tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    n = len(r.model.layers)
+    with torch.inference_mode():
+        r.prefill("p", ids)
+        assert native_calls == [len(ids)]
+        assert seen == [(k, i) for i in range(n) for k in ("before", "after")]
+        for i in (0, n // 2, n - 1):  # what after(i) saw of layer i is the step's final KV of it
+            assert torch.equal(exported[i], r.export_layer("p", i))
+        seen.clear()
+        armed["stop_at"] = 3
+        with pytest.raises(RuntimeError, match="stop"):
+            r.step([("p", [5, 6])])
+        assert seen[-1] == ("before", 3) and len(seen) == 7
+        assert r.num_tokens("p") == len(ids)
 
 
 @needs_native
@@ -218,12 +253,13 @@ def test_a_prompt_chunk_beside_a_native_step_goes_apart_and_a_failed_step_feeds_
     gen = torch.Generator().manual_seed(7)
     # two of them end on a block boundary once prefilled: their next token needs a new block
     running = [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in (49, 40, 33, 45)]
-    prompt = torch.randint(100, 20000, (140,), generator=gen).tolist()
-    fast = cpu_decoder.max_rows()  # 16, or 64 on AMX
+    fast = cpu_decoder.max_rows()  # 16, or 256 on AMX
     assert fast % 16 == 0
+    prompt = torch.randint(100, 20000, (2 * fast + 12,), generator=gen).tolist()
     outs = []
     for with_chunk in (False, True):
-        runner = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False)
+        runner = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=max(64, 3 * fast // 16 + 32),
+                             prefix_cache=False)
         assert runner.native_rows() == fast
         batch = [seq(f"r{i}", p, runner) for i, p in enumerate(running)]
         for s in batch:

@@ -139,6 +139,9 @@ class HFPagedModel(nn.Module):
         for m in self._cpu_linears():
             m.plan = self._plan
         self.native = None  # a NativeDecoder (engine/native.py) for small bfloat16 CPU steps, if set
+        self._before_layer: list = []  # add_layer_hooks: callables of the layer index, either path calls them
+        self._after_layer: list = []
+        self._own_hooks = 0  # module hooks per layer that are add_layer_hooks' dispatchers, not someone else's
         self.vocab_size = int(self.config.vocab_size)
         self.max_context = max_context(self.config)
         arch = type(hf).__name__
@@ -208,6 +211,35 @@ class HFPagedModel(nn.Module):
             if "packed" not in used:
                 m.weight_packed = None
 
+    def add_layer_hooks(self, before=None, after=None) -> None:
+        """Callbacks around every decoder layer of every step, on whichever path computes it: `before(i)` ahead of
+        layer i (an exception stops the step; the runner then leaves its sequences as they were), `after(i)` once
+        layer i's KV is in the pool. Unlike module hooks, which transformers' layers alone can see (a step with
+        one keeps transformers' forward), these leave the native CPU decoder in use (the prefill worker's layer
+        streaming and pre-positioning yield). Called in the order added."""
+        if not self._own_hooks:
+            for i, layer in enumerate(self.layers):
+                layer.register_forward_pre_hook(lambda m, a, i=i: self.before_layer(i))
+                layer.register_forward_hook(lambda m, a, o, i=i: self.after_layer(i))
+            self._own_hooks = 1
+        if before is not None:
+            self._before_layer.append(before)
+        if after is not None:
+            self._after_layer.append(after)
+
+    def before_layer(self, i: int) -> None:
+        for f in self._before_layer:
+            f(i)
+
+    def after_layer(self, i: int) -> None:
+        for f in self._after_layer:
+            f(i)
+
+    def _foreign_hooks(self) -> bool:
+        """Whether a module hook other than `add_layer_hooks`' own sits on a decoder layer."""
+        own = self._own_hooks
+        return any(len(layer._forward_hooks) > own or len(layer._forward_pre_hooks) > own for layer in self.layers)
+
     def forward(self, input_ids: Tensor, positions: Tensor, kv: Tensor, batch: PagedBatch, logits_index: Tensor) -> Tensor:
         """One ragged step.
 
@@ -217,9 +249,9 @@ class HFPagedModel(nn.Module):
         Returns logits `[N, vocab]` float32.
         """
         native = self.native
-        if native is not None and native.supports(kv, input_ids.shape[0]) and not any(
-                layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers):  # hooks see transformers' layers
-            return native.forward(input_ids, positions, kv, batch, logits_index)
+        if native is not None and native.supports(kv, input_ids.shape[0]) and not self._foreign_hooks():
+            # a module hook sees transformers' layers only; add_layer_hooks' callbacks the native layers call too
+            return native.forward(input_ids, positions, kv, batch, logits_index, self)
         out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                       logits_to_keep=logits_index, pdserve_step=_Step(kv, batch, self.attention_impl))
         return out.logits[0].float()

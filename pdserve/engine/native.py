@@ -1,7 +1,7 @@
 """Small bfloat16 steps of Llama-style models on the CPU, one native call per decoder layer.
 
 `NativeDecoder` packs an `HFPagedModel`'s decoder layers for `kernels/cpu_decoder.c` and runs a step of up
-to `max_rows` rows (16 on AVX512-BF16, 64 on AMX: `kernels/cpu_decoder.py`) through them, keeping from
+to `max_rows` rows (16 on AVX512-BF16, up to 256 on AMX: `kernels/cpu_decoder.py`) through them, keeping from
 transformers only the embedding, the rotary tables, the final norm and the head.
 
 Which models: an architecture whose decoder layer is exactly pre-norm attention and a SiLU-gated MLP
@@ -122,8 +122,10 @@ class NativeDecoder:
             return None
         return cls(model, library())
 
-    def forward(self, input_ids: Tensor, positions: Tensor, kv: Tensor, batch, logits_index: Tensor) -> Tensor:
-        """`HFPagedModel.forward`'s contract for a step of at most `max_rows` rows."""
+    def forward(self, input_ids: Tensor, positions: Tensor, kv: Tensor, batch, logits_index: Tensor,
+                hooks=None) -> Tensor:
+        """`HFPagedModel.forward`'s contract for a step of at most `max_rows` rows; `hooks` (the model) has its
+        `before_layer(i)` / `after_layer(i)` called around each layer (`HFPagedModel.add_layer_hooks`)."""
         inner = self.hf.model
         rows = input_ids.shape[0]
         h = inner.embed_tokens(input_ids).contiguous()
@@ -144,11 +146,15 @@ class NativeDecoder:
         tail = (s_kv, s_head, s_block, s_tok, num_blocks, slots.data_ptr(), tables.data_ptr(), tables.stride(0),
                 lens.data_ptr(), starts.data_ptr(), tables.shape[0], block_size, self.scale, self._scratch.data_ptr())
         for i, w in enumerate(self.weights):
+            if hooks is not None:
+                hooks.before_layer(i)
             rc = call(h.data_ptr(), rows, self.hidden, self.inter, ctypes.byref(w), *args, kv[i].data_ptr(), *tail)
             if rc:
                 if rc == -1:
                     raise MemoryError("native decoder layer: no memory for the attention scores")
                 raise IndexError(f"block_tables of sequence {rc - 1} name a block outside the pool's {num_blocks}")
+            if hooks is not None:
+                hooks.after_layer(i)
         x = inner.norm(h.index_select(0, logits_index))
         if self.vocab is None:
             return self.hf.lm_head(x).float()
@@ -156,12 +162,14 @@ class NativeDecoder:
 
     @property
     def max_rows(self) -> int:
-        """Most rows of a step here, by the projection path the process uses (AMX or AVX512-BF16)."""
-        return max_rows()
+        """Most rows of a step here, by the projection path the process uses (AMX or AVX512-BF16) and the
+        torch threads a step now has (`cpu_decoder.max_rows`)."""
+        return max_rows(torch.get_num_threads())
 
     def supports(self, kv: Tensor, rows: int) -> bool:
         """Whether a step of `rows` rows over the pool `kv` runs here: few rows, a bfloat16 CPU pool."""
-        return rows <= max_rows() and kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and kv.stride(-1) == 1
+        return (rows <= max_rows(torch.get_num_threads()) and kv.dtype == torch.bfloat16 and kv.device.type == "cpu"
+                and kv.stride(-1) == 1)
 
     def release_layer_layouts(self) -> None:
         """Drop the decoder layers' extra CpuLinear layouts ("rows", "packed"): the steps they served run here
