@@ -26,14 +26,13 @@ log = logging.getLogger("pdserve.kernels.cpu_decoder")
 
 SOURCE = Path(__file__).with_name("cpu_decoder.c")
 # Steps of more rows (prompt chunks, big batches) run transformers' forward. On AVX512-BF16 the GEMV is
-# compute-bound past 16. AMX tiles keep a step cheaper than oneDNN's on one thread up to a prompt chunk
-# (SmolLM2-135M, Xeon: 64 decode rows 119 ms native, 159 through transformers; a 256-token prompt 145 vs
-# 162; two of them in one step 268 vs 270). The native layer runs on one thread: where the step has more
-# (prefill borrowing decode's core), transformers' forward on both wins past AMX_THREADED_ROWS (a
-# 256-token prompt there: 126 ms).
+# compute-bound past 16. AMX tiles keep a step cheaper than oneDNN's up to a prompt chunk (SmolLM2-135M,
+# Xeon: 64 decode rows 119 ms native, 159 through transformers; a 256-token prompt 145 vs 162; two of them
+# in one step 268 vs 270). The native layer runs on one thread, and still wins where the prefill worker
+# borrows decode's core for transformers' forward: the 256-token prompt's step in `pdserve up`, streaming
+# its layers to decode, took 207 ms through transformers on both cores and 145 ms natively on one.
 MAX_ROWS = 16
 AMX_MAX_ROWS = 256
-AMX_THREADED_ROWS = 64
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -76,15 +75,12 @@ def use_amx(on: bool) -> bool:
     return bool(library().pdserve_use_amx(int(bool(on))))
 
 
-def max_rows(threads: int = 1) -> int:
-    """Most rows of a native step on the path this process uses, for a step that may use `threads` torch
-    threads (`MAX_ROWS`; on AMX `AMX_MAX_ROWS`, or `AMX_THREADED_ROWS` with more than one thread)."""
+def max_rows() -> int:
+    """Most rows of a native step on the path this process uses (`MAX_ROWS`, `AMX_MAX_ROWS`)."""
     lib = library()
     if lib is None:
         return 0
-    if not lib.pdserve_use_amx(-1):
-        return MAX_ROWS
-    return AMX_MAX_ROWS if threads <= 1 else AMX_THREADED_ROWS
+    return AMX_MAX_ROWS if lib.pdserve_use_amx(-1) else MAX_ROWS
 
 
 def pack(weight_t: Tensor) -> Tensor:

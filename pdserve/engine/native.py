@@ -162,14 +162,12 @@ class NativeDecoder:
 
     @property
     def max_rows(self) -> int:
-        """Most rows of a step here, by the projection path the process uses (AMX or AVX512-BF16) and the
-        torch threads a step now has (`cpu_decoder.max_rows`)."""
-        return max_rows(torch.get_num_threads())
+        """Most rows of a step here, by the projection path the process uses (AMX or AVX512-BF16)."""
+        return max_rows()
 
     def supports(self, kv: Tensor, rows: int) -> bool:
         """Whether a step of `rows` rows over the pool `kv` runs here: few rows, a bfloat16 CPU pool."""
-        return (rows <= max_rows(torch.get_num_threads()) and kv.dtype == torch.bfloat16 and kv.device.type == "cpu"
-                and kv.stride(-1) == 1)
+        return rows <= max_rows() and kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and kv.stride(-1) == 1
 
     def release_layer_layouts(self) -> None:
         """Drop the decoder layers' extra CpuLinear layouts ("rows", "packed"): the steps they served run here
