@@ -1,11 +1,15 @@
-"""The native bfloat16 decoder layer against transformers' forward, per decode batch size, on this CPU.
+"""The native bfloat16 decoder layer against transformers' forward, per decode batch and prompt size, on this CPU.
 
     python -P bench/native_decode.py [--model default] [--context 256] [--steps 20]
 
-Two engines of the same model in bfloat16, one torch thread: the default (steps of up to 16 rows run
-`kernels/cpu_decoder.c`) and one built without it, whose projections keep the fastest layout a
-calibration finds (oneDNN's packed weights here). Each decodes batches of 1, 4, 8 and 16 sequences of
-`--context` tokens; printed: ms per step (median of `--steps`) side by side and the ratio.
+Two engines of the same model in bfloat16, one torch thread: the default (steps of up to
+`cpu_decoder.max_rows()` rows run `kernels/cpu_decoder.c`: 16 on AVX512-BF16, 256 on AMX) and one built
+without it, whose projections keep the fastest layout a calibration finds (oneDNN's packed weights here).
+Each decodes batches of 1 to 16 sequences of `--context` tokens (and 24, 32, 64 where AMX takes them),
+then prefills prompts of 16 to 256 tokens where the native layer takes them (the last row's logits, as
+prefill does); printed: ms per step (median
+of `--steps`; of 5 for prompts) side by side and the ratio. Where the CPU has AMX, the native engine's
+AVX512-BF16 path (`PDSERVE_NATIVE_AMX=0`) gets a column of its own for the steps it takes (up to 16 rows).
 """
 from __future__ import annotations
 
@@ -30,39 +34,76 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.modelstore import resolve_model
 
     model_dir = resolve_model(args.model)
-    native = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=1024, prefix_cache=False)
+    blocks = 64 * (args.context // 16 + 2) + 32  # the largest batch's contexts, a prompt and a step each
+    native = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=blocks, prefix_cache=False)
     if native.model.native is None:
         print("the native decoder does not run here (no AVX512-BF16, no C compiler, or another architecture)")
         return 1
     build = NativeDecoder.from_model
     NativeDecoder.from_model = classmethod(lambda cls, model: None)
     try:
-        plain = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=1024, prefix_cache=False)
+        plain = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=blocks, prefix_cache=False)
     finally:
         NativeDecoder.from_model = build
     measure(plain, [1, 4, 8, 16], context_tokens=64, repeats=1)  # its fastest layouts (the worker's calibration)
+    from pdserve.kernels import cpu_decoder
+
+    amx = cpu_decoder.use_amx(True)
+    top = cpu_decoder.max_rows()
     vocab = native.vocab_size
-    sizes = (1, 4, 8, 16)
-    print(f"{model_dir.name}, bfloat16, {args.context} tokens of context, one torch thread; plan {plain.model.step_plan[1:17:5]}")
-    print(f"{'batch':>5} {'native ms':>10} {'transformers ms':>16} {'speed-up':>9}")
+    sizes = [b for b in (1, 4, 8, 16, 24, 32, 64) if b <= top]
+    paths = [("native", native, True), ("plain", plain, amx)] + ([("avx512", native, False)] if amx else [])
+    print(f"{model_dir.name}, bfloat16, {args.context} tokens of context, one torch thread, native projections on "
+          f"{'AMX' if amx else 'AVX512-BF16'}; plan {plain.model.step_plan[1:17:5]}")
+    head = f"{'native ms':>10} {'transformers ms':>16} {'speed-up':>9}" + (f" {'AVX512 ms':>10}" if amx else "")
+
+    def timed(r, batch, n, undo, last_only=False):
+        r.step(batch, last_only=last_only)
+        undo()
+        runs = []
+        for _ in range(n):
+            t = time.perf_counter()
+            r.step(batch, last_only=last_only)
+            runs.append(time.perf_counter() - t)
+            undo()
+        return statistics.median(runs) * 1e3
+
+    def row(label, times):
+        line = f"{label:>12} {times['native']:>10.1f} {times['plain']:>16.1f} {times['plain'] / times['native']:>8.2f}x"
+        if amx:
+            line += f" {times['avx512']:>10.1f}" if "avx512" in times else f" {'-':>10}"
+        print(line)
+
+    print(f"{'decode batch':>12} {head}")
     with torch.inference_mode():
         for r in (native, plain):
             for s in range(max(sizes)):
                 r.prefill(s, [(7919 * (i + 31 * s) + 13) % vocab for i in range(args.context)])
         for b in sizes:
             times = {}
-            for name, r in (("native", native), ("plain", plain)):
+            for name, r, on in paths:
+                if name == "avx512" and b > cpu_decoder.MAX_ROWS:
+                    continue
+                cpu_decoder.use_amx(on)
                 batch = [(s, [5]) for s in range(b)]
-                r.step(batch)
-                runs = []
-                for _ in range(args.steps):
-                    t = time.perf_counter()
-                    r.step(batch)
-                    runs.append(time.perf_counter() - t)
-                for s in range(b):
-                    r.rollback(s, args.context)
-                times[name] = statistics.median(runs) * 1e3
-            print(f"{b:>5} {times['native']:>10.1f} {times['plain']:>16.1f} {times['plain'] / times['native']:>8.2f}x")
+                times[name] = timed(r, batch, args.steps, lambda: [r.rollback(s, args.context) for s in range(b)])
+            cpu_decoder.use_amx(amx)
+            row(str(b), times)
+        print(f"{'prompt':>12} {head}")
+        for n in (16, 64, 128, 256):
+            if n > top:
+                break
+            ids = [(7919 * i + 11) % vocab for i in range(n)]
+            times = {}
+            for name, r, on in paths:
+                if name == "avx512" and n > cpu_decoder.MAX_ROWS:
+                    continue
+                cpu_decoder.use_amx(on)
+                r.start("p", ids, reuse_prefix=False)
+                times[name] = timed(r, [("p", ids)], 5, lambda: r.rollback("p", 0), last_only=True)
+                r.free("p")
+            cpu_decoder.use_amx(amx)
+            row(str(n), times)
     return 0
 
 
