@@ -52,6 +52,17 @@ void pdserve_pack_bf16(const bf16 *w, bf16 *packed, int n, int k) {
 
 #if defined(__AVX512BF16__)
 #define HAVE_BF16_GEMV 1
+/* The epilogue both projection paths share, for up to 16 outputs from o0 (`mask`): their bias widened to
+ * float32 (zero without one), and a row's float32 sums plus that bias rounded to bfloat16 into y. */
+static inline __m512 bias16(const bf16 *bias, int o0, __mmask16 mask) {
+    if (!bias) return _mm512_setzero_ps();
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + o0)), 16));
+}
+
+static inline void store16(bf16 *y, __mmask16 mask, __m512 sums, __m512 bv) {
+    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sums, bv)));
+}
+
 /* y[r][o] = x[r] . W[o] (+ bias) for the 32 outputs of group g and rows < ROWS <= 8, rounded to bfloat16
  * into y (row stride ldy): 2 * ROWS accumulators; the group's weights are one linear stream (two
  * registers per pair of inputs), each used for every row. Each output sums its products in input order
@@ -77,13 +88,8 @@ static inline __attribute__((always_inline)) void gemv_tile(const bf16 *x, int l
         const int o0 = g * 32 + j * 16, m = n - o0 < 16 ? n - o0 : 16;
         if (m <= 0) break;
         const __mmask16 mask = (__mmask16)((1u << m) - 1u);
-        __m512 bv = _mm512_setzero_ps();
-        if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                           _mm256_maskz_loadu_epi16(mask, bias + o0)), 16));
-        for (int r = 0; r < ROWS; r++) {
-            const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j][r], bv));
-            _mm256_mask_storeu_epi16(y + (size_t)r * ldy + o0, mask, h);
-        }
+        const __m512 bv = bias16(bias, o0, mask);
+        for (int r = 0; r < ROWS; r++) store16(y + (size_t)r * ldy + o0, mask, acc[j][r], bv);
     }
 }
 
@@ -121,7 +127,6 @@ static void gemv(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, in
 #if HAVE_BF16_GEMV && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define HAVE_AMX 1
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -175,13 +180,8 @@ static void amx_block(const bf16 *x, int ldx, int m, const bf16 *packed, int n, 
         const int o0 = g0 * 32 + j * 16, cnt = n - o0 < 16 ? n - o0 : 16;
         if (cnt <= 0) break;
         const __mmask16 mask = (__mmask16)((1u << cnt) - 1u);
-        __m512 bv = _mm512_setzero_ps();
-        if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                           _mm256_maskz_loadu_epi16(mask, bias + o0)), 16));
-        for (int r = 0; r < m; r++) {
-            const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(&c[r][j * 16]), bv));
-            _mm256_mask_storeu_epi16(y + (size_t)r * ldy + o0, mask, h);
-        }
+        const __m512 bv = bias16(bias, o0, mask);
+        for (int r = 0; r < m; r++) store16(y + (size_t)r * ldy + o0, mask, _mm512_load_ps(&c[r][j * 16]), bv);
     }
 }
 
@@ -216,12 +216,8 @@ int pdserve_use_amx(int on) {
     return amx_on;
 }
 
-static inline int use_amx(int k) {
-    if (amx_on < 0) amx_on = amx_granted();
-    return amx_on && k % 32 == 0;
-}
+static inline int use_amx(int k) { return pdserve_use_amx(-1) && k % 32 == 0; }
 #else
-#define HAVE_AMX 0
 int pdserve_use_amx(int on) { (void)on; return 0; }
 static inline int use_amx(int k) { (void)k; return 0; }
 static void amx_gemm(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, int k, const bf16 *bias,
