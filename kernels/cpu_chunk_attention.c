@@ -9,8 +9,8 @@
  * bfloat16). Query tiles of 16 positions skip the key blocks causality hides from all of them.
  *
  * Arithmetic: scores are exact products of the bfloat16 q and k summed in float32 (in pairs, then in the
- * order of the head dims), times the scale; the causal mask; a float32 softmax; the weighted sum of the
- * values in key order. What SDPA computes from the same inputs, up to the order of its sums.
+ * order of the head dims), times the scale; the causal mask; a float32 softmax (its sum in 16 lanes); the
+ * weighted sum of the values in key order. What SDPA computes from the same inputs, up to the order of its sums.
  *
  * Full attention only (no window, soft cap or sinks: those go to the reference), head_dim a multiple of
  * 32 up to 256. Built by kernels/cpu_attention.build_library; `pdserve_chunk_attention_supported` says
@@ -45,7 +45,7 @@ int pdserve_chunk_attention_supported(void) {
 #if defined(HAVE_BF16_DOT)
 typedef uint16_t bf16;
 
-static inline int64_t row_at(const int32_t *table, int pos, int block_size, int64_t s_block, int64_t s_tok) {
+static inline int64_t chunk_row_at(const int32_t *table, int pos, int block_size, int64_t s_block, int64_t s_tok) {
     return (int64_t)table[pos / block_size] * s_block + (int64_t)(pos % block_size) * s_tok;
 }
 
@@ -56,7 +56,7 @@ static void pack_keys(const bf16 *kv, int64_t head_off, const int32_t *table, in
     const int nb = (len + 15) / 16, D2 = D / 2;
     memset(kp, 0, (size_t)nb * D2 * 16 * sizeof(uint32_t));
     for (int c = 0; c < len; c++) {
-        const uint32_t *row = (const uint32_t *)(kv + head_off + row_at(table, c, block_size, s_block, s_tok));
+        const uint32_t *row = (const uint32_t *)(kv + head_off + chunk_row_at(table, c, block_size, s_block, s_tok));
         uint32_t *dst = kp + (size_t)(c / 16) * D2 * 16 + (c % 16);
         for (int p = 0; p < D2; p++) dst[p * 16] = row[p];
     }
@@ -66,7 +66,7 @@ static void pack_keys(const bf16 *kv, int64_t head_off, const int32_t *table, in
 static void widen_values(const bf16 *kv, int64_t head_off, const int32_t *table, int len, int D, int block_size,
                          int64_t s_block, int64_t s_tok, float *vf) {
     for (int c = 0; c < len; c++) {
-        const bf16 *row = kv + head_off + row_at(table, c, block_size, s_block, s_tok);
+        const bf16 *row = kv + head_off + chunk_row_at(table, c, block_size, s_block, s_tok);
         float *dst = vf + (size_t)c * D;
         for (int d = 0; d < D; d += 16) {
             __m256i h = _mm256_loadu_si256((const __m256i *)(row + d));
@@ -145,6 +145,78 @@ static void value_block(const float *p, int ld, const float *vf, int maxk, int D
     else if (D == 128) value_rows(p, ld, vf, maxk, D, out, out_ld, 8);
     else value_rows(p, ld, vf, maxk, D, out, out_ld, D / 16);
 }
+
+/* The scratch one work item uses: a tile's scores (`R` rows of `ld` keys), its queries as bf16 pairs, and each
+ * row's key count; sized for up to `len` keys and `group` query heads per KV head. */
+static size_t chunk_scratch_bytes(int len, int group, int D) {
+    const int R = (TQ * group + RB - 1) / RB * RB, ld = (len + 15) / 16 * 16;
+    return (size_t)R * ld * sizeof(float) + (size_t)R * (D / 2) * sizeof(uint32_t) + (size_t)R * sizeof(int) + 64;
+}
+
+/* Bytes of one KV head's keys packed (`pack_keys`) and values widened (`widen_values`), over len keys. */
+static size_t chunk_head_bytes(int len, int D) {
+    return ((size_t)(len + 15) / 16 * 16 * (D / 2) * sizeof(uint32_t) + (size_t)len * D * sizeof(float) + 63) & ~(size_t)63;
+}
+
+/* Query tile t of KV head h: q rows (stride q_ld elements; query head qh of position j at q[j * q_ld + qh * D])
+ * for positions len - n + 16t .. of the chunk, over the head's packed keys kp and widened values vf -> out
+ * (float32, the same indexing with out_ld). scratch: chunk_scratch_bytes. */
+static void chunk_tile(const bf16 *q, int64_t q_ld, float *out, int64_t out_ld, const uint32_t *kp, const float *vf,
+                       int len, int n, int q_heads, int kv_heads, int D, float scale, int h, int t, void *scratch) {
+    const int group = q_heads / kv_heads, D2 = D / 2, R = (TQ * group + RB - 1) / RB * RB, ld = (len + 15) / 16 * 16;
+    float *scores = scratch;
+    uint32_t *qp = (uint32_t *)(scores + (size_t)R * ld);
+    int *keys = (int *)(qp + (size_t)R * D2);
+    const int j0 = t * TQ, jn = n - j0 < TQ ? n - j0 : TQ, rows = jn * group;
+    /* row r = j * group + g: query position j0 + j, query head h * group + g; it sees keys 0..len-n+j0+j */
+    for (int r = 0; r < rows; r++) {
+        const int j = r / group, g = r % group;
+        memcpy(qp + (size_t)r * D2, q + (size_t)(j0 + j) * q_ld + (size_t)(h * group + g) * D, (size_t)D * 2);
+        keys[r] = len - n + j0 + j + 1;
+    }
+    const int nkb = (keys[rows - 1] + 15) / 16; /* the tile's last row sees the most keys */
+    for (int r0 = 0; r0 < rows; r0 += RB)
+        score_block(qp + (size_t)r0 * D2, D2, kp, nkb, rows - r0 < RB ? rows - r0 : RB, scores + (size_t)r0 * ld, ld);
+    /* the softmax of each row over its keys, 16 lanes at a time (the sum in 16 lanes, reduced in a fixed order):
+     * scalar, the scale-and-max and the sum were a third of a prompt's attention */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int r = 0; r < rows; r++) {
+        float *sc = scores + (size_t)r * ld;
+        const int kr = keys[r];
+        __m512 vm = _mm512_set1_ps(-INFINITY);
+        for (int c = 0; c < kr; c += 16) {
+            const __mmask16 mk = kr - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (kr - c)) - 1u);
+            const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sc + c), vscale);
+            _mm512_mask_storeu_ps(sc + c, mk, v);
+            vm = _mm512_mask_max_ps(vm, mk, v, vm);
+        }
+        const float m = _mm512_reduce_max_ps(vm);
+#pragma omp simd
+        for (int c = 0; c < kr; c++) sc[c] = expf(sc[c] - m);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int c = 0; c < kr; c += 16) {
+            const __mmask16 mk = kr - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (kr - c)) - 1u);
+            vsum = _mm512_add_ps(vsum, _mm512_maskz_loadu_ps(mk, sc + c));
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+        for (int c = 0; c < nkb * 16; c += 16) { /* normalised; zero past the row's own keys */
+            const __mmask16 mk = c >= kr ? 0 : kr - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (kr - c)) - 1u);
+            _mm512_storeu_ps(sc + c, _mm512_maskz_mul_ps(mk, _mm512_loadu_ps(sc + c), inv));
+        }
+    }
+    for (int r = rows; r < (rows + RB - 1) / RB * RB; r++) /* padding rows of the last block: no weight */
+        memset(scores + (size_t)r * ld, 0, (size_t)nkb * 16 * sizeof(float));
+    for (int r0 = 0; r0 < rows; r0 += RB) {
+        const int rn = rows - r0 < RB ? rows - r0 : RB;
+        const int maxk = keys[r0 + rn - 1]; /* the block's last row sees the most keys */
+        float tmp[RB][MAX_D];
+        value_block(scores + (size_t)r0 * ld, ld, vf, maxk, D, &tmp[0][0], MAX_D);
+        for (int i = 0; i < rn; i++) {
+            const int r = r0 + i, j = r / group, g = r % group;
+            memcpy(out + (size_t)(j0 + j) * out_ld + (size_t)(h * group + g) * D, tmp[i], (size_t)D * sizeof(float));
+        }
+    }
+}
 #endif
 
 /*
@@ -168,15 +240,14 @@ int pdserve_chunk_attention(const uint16_t *q, float *out, const uint16_t *kv, i
     if (D % 32 || D > MAX_D || n <= 0 || n > len) return -2;
     for (int b = 0; b <= (len - 1) / block_size; b++)
         if (table[b] < 0 || table[b] >= num_blocks) return 1;
-    const int group = q_heads / kv_heads, D2 = D / 2, tiles = (n + TQ - 1) / TQ, R = (TQ * group + RB - 1) / RB * RB;
-    const int nkb_all = (len + 15) / 16, ld = nkb_all * 16;
-    uint32_t *kp = malloc((size_t)nkb_all * D2 * 16 * sizeof(uint32_t));
-    float *vf = malloc((size_t)len * D * sizeof(float));
-    float *scores = malloc((size_t)R * ld * sizeof(float));
-    uint32_t *qp = malloc((size_t)R * D2 * sizeof(uint32_t));
-    int *keys = malloc((size_t)R * sizeof(int));
+    const int tiles = (n + TQ - 1) / TQ;
+    const size_t kp_bytes = (size_t)(len + 15) / 16 * 16 * (D / 2) * sizeof(uint32_t);
+    uint8_t *head = malloc(chunk_head_bytes(len, D));
+    void *scratch = malloc(chunk_scratch_bytes(len, q_heads / kv_heads, D));
     int rc = 0;
-    if (!kp || !vf || !scores || !qp || !keys) { rc = -1; goto done; }
+    if (!head || !scratch) { rc = -1; goto done; }
+    uint32_t *kp = (uint32_t *)head;
+    float *vf = (float *)(head + kp_bytes);
     const bf16 *pool = (const bf16 *)kv;
     int packed_head = -1;
     for (int item = item0; item < item1; item++) {
@@ -186,47 +257,11 @@ int pdserve_chunk_attention(const uint16_t *q, float *out, const uint16_t *kv, i
             widen_values(pool, s_kv + (int64_t)h * s_head, table, len, D, block_size, s_block, s_tok, vf);
             packed_head = h;
         }
-        const int j0 = t * TQ, jn = n - j0 < TQ ? n - j0 : TQ, rows = jn * group;
-        /* row r = j * group + g: query position j0 + j, query head h * group + g; it sees keys 0..len-n+j0+j */
-        for (int r = 0; r < rows; r++) {
-            const int j = r / group, g = r % group;
-            memcpy(qp + (size_t)r * D2, q + ((size_t)(j0 + j) * q_heads + h * group + g) * D, (size_t)D * 2);
-            keys[r] = len - n + j0 + j + 1;
-        }
-        const int nkb = (keys[rows - 1] + 15) / 16; /* the tile's last row sees the most keys */
-        for (int r0 = 0; r0 < rows; r0 += RB)
-            score_block(qp + (size_t)r0 * D2, D2, kp, nkb, rows - r0 < RB ? rows - r0 : RB, scores + (size_t)r0 * ld, ld);
-        for (int r = 0; r < rows; r++) {
-            float *sc = scores + (size_t)r * ld;
-            const int kr = keys[r];
-            float m = -INFINITY;
-            for (int c = 0; c < kr; c++) {
-                sc[c] *= scale;
-                m = sc[c] > m ? sc[c] : m;
-            }
-#pragma omp simd
-            for (int c = 0; c < kr; c++) sc[c] = expf(sc[c] - m);
-            float sum = 0.0f;
-            for (int c = 0; c < kr; c++) sum += sc[c];
-            const float inv = 1.0f / sum;
-            for (int c = 0; c < kr; c++) sc[c] *= inv;
-            for (int c = kr; c < nkb * 16; c++) sc[c] = 0.0f;
-        }
-        for (int r = rows; r < (rows + RB - 1) / RB * RB; r++) /* padding rows of the last block: no weight */
-            memset(scores + (size_t)r * ld, 0, (size_t)nkb * 16 * sizeof(float));
-        for (int r0 = 0; r0 < rows; r0 += RB) {
-            const int rn = rows - r0 < RB ? rows - r0 : RB;
-            const int maxk = keys[r0 + rn - 1]; /* the block's last row sees the most keys */
-            float tmp[RB][MAX_D];
-            value_block(scores + (size_t)r0 * ld, ld, vf, maxk, D, &tmp[0][0], MAX_D);
-            for (int i = 0; i < rn; i++) {
-                const int r = r0 + i, j = r / group, g = r % group;
-                memcpy(out + ((size_t)(j0 + j) * q_heads + h * group + g) * D, tmp[i], (size_t)D * sizeof(float));
-            }
-        }
+        chunk_tile(q, (int64_t)q_heads * D, out, (int64_t)q_heads * D, kp, vf, len, n, q_heads, kv_heads, D, scale, h,
+                   t, scratch);
     }
 done:
-    free(kp); free(vf); free(scores); free(qp); free(keys);
+    free(head); free(scratch);
     return rc;
 #endif
 }
