@@ -2,10 +2,16 @@
  *
  * transformers runs a layer as some forty torch ops and their Python; at one to a few rows on a CPU that
  * costs more than the layer's matmuls (a SmolLM2-135M step: 48 ms, of which oneDNN's kernels ~19). Here a
- * layer is: norm, q/k/v projection (+ bias), rotary embedding, K/V written into the paged pool, paged
- * attention (cpu_attention.c, included), o projection, residual, norm, gate/up projection, SiLU * up, down
- * projection, residual. Every intermediate is rounded to bfloat16 where transformers' bfloat16 modules
- * round it, so the layer computes what theirs does up to the summation order of the matmuls.
+ * layer is: norm, q/k/v projection (+ bias), rotary embedding, K/V written into the paged pool, attention
+ * (decode rows: cpu_attention.c's paged kernel; a prompt chunk of more than 16 rows: cpu_chunk_attention.c's
+ * tiles, both included), o projection, residual, norm, gate/up projection, SiLU * up, down projection,
+ * residual. Every intermediate is rounded to bfloat16 where transformers' bfloat16 modules round it, so the
+ * layer computes what theirs does up to the summation order of the matmuls and reductions.
+ *
+ * A layer's phases split over the threads the process may use now (`run_items`, below): one on its own
+ * core, two when the prefill worker borrows decode's idle core for a prompt or decode runs on prefill's
+ * while it has none (pdserve.cpulease). A 256-token prompt of SmolLM2-135M (Xeon, AMX): 145 ms before on one
+ * thread, when attention ran the decode kernel and the elementwise passes were scalar.
  *
  * Projections are GEMVs over weights packed for AVX512-BF16 (`pack`): groups of 32 outputs, each holding,
  * for every pair of inputs, the 32 outputs' two weights side by side, which `vdpbf16ps` multiplies with a
@@ -18,7 +24,18 @@
  * of tile loads (a 16-row SmolLM2-135M step, Xeon with AMX: 78 ms on AVX512-BF16). A process uses one path
  * for every step, whatever its row count, so a sequence's logits never depend on what shares its batch.
  */
+#define _GNU_SOURCE /* pthread_sigmask, clock_gettime, syscall under -std=c11 */
 #include "cpu_attention.c"
+#include "cpu_chunk_attention.c"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <signal.h>
+#include <limits.h>
 
 typedef uint16_t bf16;
 
@@ -93,13 +110,12 @@ static inline __attribute__((always_inline)) void gemv_tile(const bf16 *x, int l
     }
 }
 
-/* y = x . W^T for `rows` rows: output groups outermost, passes of up to 8 rows inside, so a group's weights
- * come from memory once per step and from cache for every further pass; the row count of a pass a
- * compile-time constant, so its accumulators stay in registers. */
+/* y = x . W^T for `rows` rows and the outputs of groups g0..g1-1: output groups outermost, passes of up to 8
+ * rows inside, so a group's weights come from memory once per step and from cache for every further pass; the
+ * row count of a pass a compile-time constant, so its accumulators stay in registers. */
 static void gemv(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, int k, const bf16 *bias, bf16 *y,
-                 int ldy) {
-    const int ng = (n + 31) / 32;
-    for (int g = 0; g < ng; g++)
+                 int ldy, int g0, int g1) {
+    for (int g = g0; g < g1; g++)
         for (int r0 = 0; r0 < rows; r0 += 8) {
             const int m = rows - r0 < 8 ? rows - r0 : 8;
             const bf16 *xr = x + (size_t)r0 * ldx;
@@ -119,8 +135,8 @@ static void gemv(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, in
 #else
 #define HAVE_BF16_GEMV 0
 static void gemv(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, int k, const bf16 *bias, bf16 *y,
-                 int ldy) {
-    (void)x; (void)ldx; (void)rows; (void)packed; (void)n; (void)k; (void)bias; (void)y; (void)ldy;
+                 int ldy, int g0, int g1) {
+    (void)x; (void)ldx; (void)rows; (void)packed; (void)n; (void)k; (void)bias; (void)y; (void)ldy; (void)g0; (void)g1;
 }
 #endif
 
@@ -185,17 +201,70 @@ static void amx_block(const bf16 *x, int ldx, int m, const bf16 *packed, int n, 
     }
 }
 
-/* y = x . W^T on AMX: blocks of 64 outputs outermost (their weights, at most 64 x k x 2 bytes, stay in cache
- * for every further block of 16 rows), rows inside. */
+/* tiles 0-3: the sums of 32 rows by 32 outputs (2 x 2 tiles of 16 x 16); 4, 5: two 16-row halves of x; 6, 7:
+ * the group's two 16-output halves of weights */
+static void amx_configure32(void) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* y rows [0, 32) x the 32 outputs of group g: each pair of x and weight tiles feeds four products (the 16-row
+ * block's one x tile fed four weight tiles from L2; a group's weights, 32 x k x 2 bytes, stay in L1 for every
+ * further 32 rows). Tiles configured by amx_configure32. */
+static void amx_block32(const bf16 *x, int ldx, const bf16 *packed, int n, int k, const bf16 *bias, bf16 *y, int ldy,
+                        int g) {
+    const size_t k2 = (size_t)k / 2;
+    const bf16 *w = packed + (size_t)g * k2 * 64;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int kb = 0; kb < k; kb += 32) {
+        const size_t p = (size_t)kb / 2 * 64;
+        _tile_loadd(4, x + kb, ldx * 2);
+        _tile_loadd(6, w + p, 128);
+        _tile_loadd(7, w + p + 32, 128);
+        _tile_loadd(5, x + (size_t)16 * ldx + kb, ldx * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    float c[32][32] __attribute__((aligned(64)));
+    _tile_stored(0, &c[0][0], 128);
+    _tile_stored(1, &c[0][16], 128);
+    _tile_stored(2, &c[16][0], 128);
+    _tile_stored(3, &c[16][16], 128);
+    for (int j = 0; j < 2; j++) {
+        const int o0 = g * 32 + j * 16, cnt = n - o0 < 16 ? n - o0 : 16;
+        if (cnt <= 0) break;
+        const __mmask16 mask = (__mmask16)((1u << cnt) - 1u);
+        const __m512 bv = bias16(bias, o0, mask);
+        for (int r = 0; r < 32; r++) store16(y + (size_t)r * ldy + o0, mask, _mm512_load_ps(&c[r][j * 16]), bv);
+    }
+}
+
+/* y = x . W^T on AMX for the outputs of groups g0..g1-1. Rows in blocks of 32 per group (amx_block32), the
+ * remaining < 32 in blocks of up to 16 rows by 64 outputs (their weights, at most 64 x k x 2 bytes, in cache for
+ * the next block). Tile state is the calling thread's: configured here, released at the end. */
 static void amx_gemm(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, int k, const bf16 *bias,
-                     bf16 *y, int ldy) {
-    const int ng = (n + 31) / 32;
+                     bf16 *y, int ldy, int g0, int g1) {
+    const int full = rows / 32 * 32;
+    if (full) {
+        amx_configure32();
+        for (int g = g0; g < g1; g++)
+            for (int r0 = 0; r0 < full; r0 += 32)
+                amx_block32(x + (size_t)r0 * ldx, ldx, packed, n, k, bias, y + (size_t)r0 * ldy, ldy, g);
+    }
     int configured = 0;
-    for (int g = 0; g < ng; g += 2)
-        for (int r0 = 0; r0 < rows; r0 += 16) {
+    for (int g = g0; g < g1; g += 2)
+        for (int r0 = full; r0 < rows; r0 += 16) {
             const int m = rows - r0 < 16 ? rows - r0 : 16;
             if (m != configured) amx_configure(configured = m);
-            amx_block(x + (size_t)r0 * ldx, ldx, m, packed, n, k, bias, y + (size_t)r0 * ldy, ldy, g, g + 1 < ng);
+            amx_block(x + (size_t)r0 * ldx, ldx, m, packed, n, k, bias, y + (size_t)r0 * ldy, ldy, g, g + 1 < g1);
         }
     _tile_release();
 }
@@ -221,18 +290,187 @@ static inline int use_amx(int k) { return pdserve_use_amx(-1) && k % 32 == 0; }
 int pdserve_use_amx(int on) { (void)on; return 0; }
 static inline int use_amx(int k) { (void)k; return 0; }
 static void amx_gemm(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, int k, const bf16 *bias,
-                     bf16 *y, int ldy) {
-    (void)x; (void)ldx; (void)rows; (void)packed; (void)n; (void)k; (void)bias; (void)y; (void)ldy;
+                     bf16 *y, int ldy, int g0, int g1) {
+    (void)x; (void)ldx; (void)rows; (void)packed; (void)n; (void)k; (void)bias; (void)y; (void)ldy; (void)g0; (void)g1;
 }
 #endif
+
+/* ---- threads ---------------------------------------------------------------------------------------------
+ * A step's work split over the threads the process may use now (`pdserve_native_threads`: the prefill worker
+ * adds decode's idle core for a step it borrows, pdserve.cpulease). Every phase of a layer is a list of
+ * independent items (a pair of output groups of a projection, a few rows of an elementwise pass, a tile of a
+ * prompt's attention, a decode sequence's attention) that the threads claim one at a time from one atomic
+ * ticket, so a helper the scheduler delays takes fewer items rather than stalling the step: the caller runs
+ * whatever nobody claimed and waits only for items already begun. Which thread computes an item never changes
+ * its arithmetic, so results do not depend on the thread count.
+ * The ticket packs gen (20 bits) | threads (4) | items (20) | next (20): a claim is one compare-and-swap that
+ * also proves the phase it belongs to is still the current one. Helpers spin briefly between phases (a layer's
+ * phases are microseconds apart), then sleep on a futex, so a lent core is handed back within SPIN_NS. */
+#define MAX_THREADS 15
+#define SPIN_NS 100000
+
+typedef void (*item_fn)(const void *ctx, int item);
+
+static struct {
+    _Atomic uint64_t ticket;
+    _Atomic int done;
+    _Atomic int sleepers;
+    _Atomic uint32_t wake;
+    item_fn fn;
+    const void *ctx;
+    uint32_t gen;
+    int helpers, wanted;
+    const _Atomic int32_t *lender; /* threads another process lends now (pdserve.cpulease's lent-back word), or NULL */
+    uint32_t start_gen[MAX_THREADS];
+} pool = {.wanted = 1};
+
+#define T_GEN(t) ((uint32_t)((t) >> 44))
+#define T_THREADS(t) ((int)(((t) >> 40) & 0xf))
+#define T_ITEMS(t) ((int)(((t) >> 20) & 0xfffff))
+#define T_NEXT(t) ((int)((t) & 0xfffff))
+
+static void futex(_Atomic uint32_t *word, int op, uint32_t val) {
+    syscall(SYS_futex, (uint32_t *)word, op, val, NULL, NULL, 0);
+}
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Claim and run items of phase `gen` while there are any and thread `index` takes part in it. */
+static void claim(int index, uint32_t gen) {
+    uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    for (;;) {
+        if (T_GEN(t) != gen || index >= T_THREADS(t) || T_NEXT(t) >= T_ITEMS(t)) return;
+        if (atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + 1, memory_order_acq_rel, memory_order_acquire)) {
+            pool.fn(pool.ctx, T_NEXT(t)); /* the phase is still gen's: it ends only when this item is done */
+            atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+            t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+        }
+    }
+}
+
+static void *helper_main(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    uint32_t seen = pool.start_gen[index];
+    for (;;) {
+        uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+        if (T_GEN(t) == seen) {
+            const uint64_t until = now_ns() + SPIN_NS;
+            for (int spins = 0; T_GEN(t) == seen; spins++) {
+                _mm_pause();
+                if ((spins & 255) == 255 && now_ns() > until) {
+                    atomic_fetch_add(&pool.sleepers, 1);
+                    const uint32_t w = atomic_load(&pool.wake);
+                    if (T_GEN(atomic_load(&pool.ticket)) == seen) futex(&pool.wake, FUTEX_WAIT_PRIVATE, w);
+                    atomic_fetch_sub(&pool.sleepers, 1);
+                    spins = 0;
+                }
+                t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+            }
+        }
+        seen = T_GEN(t);
+        claim(index, seen);
+    }
+    return NULL;
+}
+
+static void forget_helpers(void) { pool.helpers = 0; } /* a forked child has none of its parent's threads */
+
+/* Helpers 1..n-1 running (each blocks every signal: Python's handlers belong to its own threads). */
+static int start_helpers(int n) {
+    static int registered;
+    if (!registered) registered = pthread_atfork(NULL, NULL, forget_helpers) == 0;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    while (pool.helpers + 1 < n) {
+        const int index = pool.helpers + 1;
+        pool.start_gen[index] = pool.gen;
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&th, &attr, helper_main, (void *)(intptr_t)index);
+        pthread_attr_destroy(&attr);
+        if (rc) break;
+        pool.helpers = index;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return pool.helpers + 1;
+}
+
+int pdserve_native_threads_in_use(void);
+
+/* fn(ctx, i) for every i < items, over up to `pool.wanted` threads; returns when all are done. */
+static void run_items(item_fn fn, const void *ctx, int items) {
+    int T = pdserve_native_threads_in_use();
+    T = T < items ? T : items;
+    if (T > 1) { /* as many as could be started */
+        const int have = start_helpers(T);
+        T = T < have ? T : have;
+    }
+    if (T <= 1 || items > 0xfffff) {
+        for (int i = 0; i < items; i++) fn(ctx, i);
+        return;
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    pool.gen = (pool.gen + 1) & 0xfffff;
+    atomic_store(&pool.ticket, (uint64_t)pool.gen << 44 | (uint64_t)T << 40 | (uint64_t)items << 20);
+    if (atomic_load(&pool.sleepers)) {
+        atomic_fetch_add(&pool.wake, 1);
+        futex(&pool.wake, FUTEX_WAKE_PRIVATE, INT_MAX);
+    }
+    claim(0, pool.gen);
+    while (atomic_load_explicit(&pool.done, memory_order_acquire) < items) _mm_pause();
+}
+
+/* The threads native steps use from now on (n >= 1; at most MAX_THREADS + 1); n <= 0 changes nothing.
+ * Returns the count in force. */
+int pdserve_native_threads(int n) {
+    if (n > 0) pool.wanted = n < MAX_THREADS + 1 ? n : MAX_THREADS + 1;
+    return pool.wanted;
+}
+
+/* Threads lent by another process, read at every phase: `word` (an int32 in memory shared with it, the
+ * count it lends now, 0 while it works) is added to `pdserve_native_threads`'s count; NULL: none. */
+void pdserve_native_lender(const int32_t *word) { pool.lender = (const _Atomic int32_t *)word; }
+
+/* The threads a native phase would use now: pdserve_native_threads's count plus what is lent. */
+int pdserve_native_threads_in_use(void) {
+    const _Atomic int32_t *lender = pool.lender;
+    const int32_t lent = lender ? atomic_load_explicit(lender, memory_order_relaxed) : 0;
+    const int T = pool.wanted + (lent > 0 ? lent : 0);
+    return T < MAX_THREADS + 1 ? T : MAX_THREADS + 1;
+}
+
+/* ---- projections ----------------------------------------------------------------------------------------- */
+
+struct proj_task {
+    const bf16 *x, *packed, *bias;
+    bf16 *y;
+    int ldx, rows, n, k, ldy, amx;
+};
+
+/* item i: the outputs of groups 2i and 2i + 1 (AMX's block of 64 outputs) */
+static void proj_item(const void *ctx, int i) {
+    const struct proj_task *p = ctx;
+    const int ng = (p->n + 31) / 32, g1 = 2 * i + 2 < ng ? 2 * i + 2 : ng;
+    if (p->amx)
+        amx_gemm(p->x, p->ldx, p->rows, p->packed, p->n, p->k, p->bias, p->y, p->ldy, 2 * i, g1);
+    else
+        gemv(p->x, p->ldx, p->rows, p->packed, p->n, p->k, p->bias, p->y, p->ldy, 2 * i, g1);
+}
 
 /* The projection: AMX where this process uses it and k is a multiple of 32, else the AVX512-BF16 GEMV. */
 static void project(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, int k, const bf16 *bias, bf16 *y,
                     int ldy) {
-    if (use_amx(k))
-        amx_gemm(x, ldx, rows, packed, n, k, bias, y, ldy);
-    else
-        gemv(x, ldx, rows, packed, n, k, bias, y, ldy);
+    const struct proj_task p = {x, packed, bias, y, ldx, rows, n, k, ldy, use_amx(k)};
+    run_items(proj_item, &p, ((n + 31) / 32 + 1) / 2);
 }
 
 int pdserve_bf16_gemv_available(void) { return HAVE_BF16_GEMV; }
@@ -241,20 +479,62 @@ void pdserve_bf16_gemv(const bf16 *x, int rows, const bf16 *packed, int n, int k
     project(x, k, rows, packed, n, k, bias, y, n);
 }
 
+#if HAVE_BF16_GEMV
+/* ---- elementwise, 16 lanes at a time: every product and sum rounded to bfloat16 where transformers'
+ * bfloat16 tensor ops round it (vcvtneps2bf16 rounds to nearest even, as torch does). ---------------------- */
+
+static inline __mmask16 tail_mask(int left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
+
+static inline __m512 load_bf16(const bf16 *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline __m512 rounded(__m512 v) { /* v rounded to bfloat16, as float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+static inline void store_bf16(bf16 *p, __mmask16 m, __m512 v) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 /* transformers' Llama norm in bfloat16: normalise in float32, round, scale by the bfloat16 weight, round. */
-static void rms_norm(const bf16 *x, const bf16 *w, float eps, int rows, int h, bf16 *y) {
-    for (int r = 0; r < rows; r++) {
-        const bf16 *xr = x + (size_t)r * h;
-        float ss = 0.f;
-        for (int i = 0; i < h; i++) ss += f32(xr[i]) * f32(xr[i]);
-        const float inv = 1.0f / sqrtf(ss / (float)h + eps);
-        for (int i = 0; i < h; i++) y[(size_t)r * h + i] = mul_bf16(w[i], round_bf16(f32(xr[i]) * inv));
+static void rms_norm_row(const bf16 *x, const bf16 *w, float eps, int h, bf16 *y) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int i = 0; i < h; i += 16) {
+        const __m512 v = load_bf16(x + i, tail_mask(h - i));
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)h + eps));
+    for (int i = 0; i < h; i += 16) {
+        const __mmask16 m = tail_mask(h - i);
+        store_bf16(y + i, m, _mm512_mul_ps(load_bf16(w + i, m), rounded(_mm512_mul_ps(load_bf16(x + i, m), inv))));
+    }
+}
+
+/* h += p, rounded */
+static void residual_row(bf16 *h, const bf16 *p, int n) {
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        store_bf16(h + i, m, _mm512_add_ps(load_bf16(h + i, m), load_bf16(p + i, m)));
     }
 }
 
 /* x * cos + rotate_half(x) * sin, each product and the sum rounded (bfloat16 tensor ops). */
-static inline void rotary(bf16 *x, const bf16 *cos, const bf16 *sin, int d) {
+static void rotary(bf16 *x, const bf16 *cos, const bf16 *sin, int d) {
     const int half = d / 2;
+    if (half % 16 == 0) {
+        const __m512 sign = _mm512_set1_ps(-0.0f);
+        for (int i = 0; i < half; i += 16) {
+            const __m512 a = load_bf16(x + i, 0xffff), b = load_bf16(x + half + i, 0xffff);
+            const __m512 lo = _mm512_add_ps(rounded(_mm512_mul_ps(a, load_bf16(cos + i, 0xffff))),
+                                            rounded(_mm512_xor_ps(_mm512_mul_ps(b, load_bf16(sin + i, 0xffff)), sign)));
+            const __m512 hi = _mm512_add_ps(rounded(_mm512_mul_ps(b, load_bf16(cos + half + i, 0xffff))),
+                                            rounded(_mm512_mul_ps(a, load_bf16(sin + half + i, 0xffff))));
+            store_bf16(x + i, 0xffff, lo);
+            store_bf16(x + half + i, 0xffff, hi);
+        }
+        return;
+    }
     bf16 tmp[512];
     memcpy(tmp, x, (size_t)d * sizeof(bf16));
     for (int i = 0; i < d; i++) {
@@ -263,16 +543,209 @@ static inline void rotary(bf16 *x, const bf16 *cos, const bf16 *sin, int d) {
     }
 }
 
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+/* act = round(silu(g)) * u, rounded */
+static void silu_row(const bf16 *g, const bf16 *u, int n, bf16 *act) {
+    float v[16] __attribute__((aligned(64)));
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        _mm512_store_ps(v, load_bf16(g + i, m));
+#pragma omp simd simdlen(16) aligned(v : 64)
+        for (int j = 0; j < 16; j++) v[j] = v[j] / (1.0f + expf(-v[j]));
+        store_bf16(act + i, m, _mm512_mul_ps(rounded(_mm512_load_ps(v)), load_bf16(u + i, m)));
+    }
+}
+
+/* ---- the layer --------------------------------------------------------------------------------------------- */
 
 struct layer_weights {
     const bf16 *ln1, *qkv, *qkv_bias, *o, *ln2, *gate_up, *down;
 };
 
+#define ROWS_PER_ITEM 4 /* elementwise items: a few rows each (a row is a microsecond or less) */
+#define CHUNK_MIN_ROWS 16 /* a sequence with more query rows than this takes the prompt-chunk attention kernel */
+
+struct attn_item { int seq, head, tile; }; /* tile < 0: the sequence's whole (decode) attention */
+
+struct layer_task {
+    bf16 *h;
+    int rows, hidden, inter, q_heads, kv_heads, head_dim, nq, nkv, nqkv;
+    const struct layer_weights *w;
+    float eps, scale;
+    const bf16 *cos, *sin;
+    bf16 *kv;
+    int64_t s_kv, s_head, s_block, s_tok, num_blocks, bt_stride;
+    const int64_t *slots;
+    const int32_t *block_tables, *seq_lens, *query_start;
+    int block_size;
+    bf16 *x, *qkv, *attn, *gu, *act, *proj;
+    float *qf, *of;
+    struct attn_item *items;
+    uint8_t **heads; /* [S * kv_heads]: a chunk sequence's KV head's packed keys and widened values, else NULL */
+    _Atomic int rc;
+};
+
+static inline int row_items(int rows) { return (rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM; }
+#define FOR_ROWS(t, i, r) for (int r = (i) * ROWS_PER_ITEM, r##_end = r + ROWS_PER_ITEM < (t)->rows ? r + ROWS_PER_ITEM : (t)->rows; r < r##_end; r++)
+
+static void norm1_item(const void *ctx, int i) {
+    const struct layer_task *t = ctx;
+    FOR_ROWS(t, i, r) rms_norm_row(t->h + (size_t)r * t->hidden, t->w->ln1, t->eps, t->hidden, t->x + (size_t)r * t->hidden);
+}
+
+/* rotary on q and k, q widened to float32 for the decode kernel, K and V written to the row's slot */
+static void rope_item(const void *ctx, int i) {
+    const struct layer_task *t = ctx;
+    const int D = t->head_dim;
+    FOR_ROWS(t, i, r) {
+        bf16 *row = t->qkv + (size_t)r * t->nqkv;
+        const bf16 *c = t->cos + (size_t)r * D, *s = t->sin + (size_t)r * D;
+        for (int hd = 0; hd < t->q_heads + t->kv_heads; hd++) rotary(row + (size_t)hd * D, c, s, D);
+        for (int j = 0; j < t->nq; j += 16) _mm512_storeu_ps(t->qf + (size_t)r * t->nq + j, load_bf16(row + j, tail_mask(t->nq - j)));
+        const int64_t slot = t->slots[r], blk = slot / t->block_size, off = slot % t->block_size;
+        for (int g = 0; g < t->kv_heads; g++) {
+            bf16 *kdst = t->kv + blk * t->s_block + g * t->s_head + off * t->s_tok;
+            memcpy(kdst, row + t->nq + (size_t)g * D, (size_t)D * sizeof(bf16));
+            memcpy(kdst + t->s_kv, row + t->nq + t->nkv + (size_t)g * D, (size_t)D * sizeof(bf16));
+        }
+    }
+}
+
+/* item s * kv_heads + h of the chunk sequences' packing: head h's keys packed, values widened */
+static void pack_item(const void *ctx, int i) {
+    const struct layer_task *t = ctx;
+    const int s = i / t->kv_heads, h = i % t->kv_heads;
+    uint8_t *buf = t->heads[i];
+    if (!buf) return;
+    const int len = t->seq_lens[s], D = t->head_dim;
+    const int32_t *table = t->block_tables + (int64_t)s * t->bt_stride;
+    const size_t kp_bytes = (size_t)(len + 15) / 16 * 16 * (D / 2) * sizeof(uint32_t);
+    pack_keys(t->kv, (int64_t)h * t->s_head, table, len, D, t->block_size, t->s_block, t->s_tok, (uint32_t *)buf);
+    widen_values(t->kv, t->s_kv + (int64_t)h * t->s_head, table, len, D, t->block_size, t->s_block, t->s_tok,
+                 (float *)(buf + kp_bytes));
+}
+
+static __thread void *tl_chunk;
+static __thread size_t tl_chunk_cap;
+
+static void attn_item(const void *ctx, int i) {
+    struct layer_task *t = (struct layer_task *)ctx;
+    const struct attn_item it = t->items[i];
+    const int s = it.seq, q0 = t->query_start[s], n = t->query_start[s + 1] - q0, len = t->seq_lens[s], D = t->head_dim;
+    if (it.tile < 0) {
+        const int rc = pdserve_paged_attention(t->qf, t->of, t->kv, 1, t->s_kv, t->s_head, t->s_block, t->s_tok,
+                                               t->num_blocks, t->block_tables + (int64_t)s * t->bt_stride, t->bt_stride,
+                                               t->seq_lens + s, t->query_start + s, 1, t->q_heads, t->kv_heads, D,
+                                               t->block_size, t->scale, 0, 0.0f, NULL);
+        if (rc) atomic_store(&t->rc, rc == 1 ? 1 + s : rc);
+        return;
+    }
+    const size_t need = chunk_scratch_bytes(len, t->q_heads / t->kv_heads, D);
+    if (need > tl_chunk_cap) {
+        free(tl_chunk);
+        tl_chunk = malloc(need);
+        tl_chunk_cap = tl_chunk ? need : 0;
+        if (!tl_chunk) { atomic_store(&t->rc, -1); return; }
+    }
+    const uint8_t *buf = t->heads[s * t->kv_heads + it.head];
+    const size_t kp_bytes = (size_t)(len + 15) / 16 * 16 * (D / 2) * sizeof(uint32_t);
+    chunk_tile(t->qkv + (size_t)q0 * t->nqkv, t->nqkv, t->of + (size_t)q0 * t->nq, t->nq, (const uint32_t *)buf,
+               (const float *)(buf + kp_bytes), len, n, t->q_heads, t->kv_heads, D, t->scale, it.head, it.tile, tl_chunk);
+}
+
+static void round_item(const void *ctx, int i) {
+    const struct layer_task *t = ctx;
+    FOR_ROWS(t, i, r) for (int j = 0; j < t->nq; j += 16) {
+        const __mmask16 m = tail_mask(t->nq - j);
+        store_bf16(t->attn + (size_t)r * t->nq + j, m, _mm512_maskz_loadu_ps(m, t->of + (size_t)r * t->nq + j));
+    }
+}
+
+static void resid_norm2_item(const void *ctx, int i) {
+    const struct layer_task *t = ctx;
+    FOR_ROWS(t, i, r) {
+        bf16 *hr = t->h + (size_t)r * t->hidden;
+        residual_row(hr, t->proj + (size_t)r * t->hidden, t->hidden);
+        rms_norm_row(hr, t->w->ln2, t->eps, t->hidden, t->x + (size_t)r * t->hidden);
+    }
+}
+
+static void silu_item(const void *ctx, int i) {
+    const struct layer_task *t = ctx;
+    FOR_ROWS(t, i, r) {
+        const bf16 *g = t->gu + (size_t)r * 2 * t->inter;
+        silu_row(g, g + t->inter, t->inter, t->act + (size_t)r * t->inter);
+    }
+}
+
+static void resid_item(const void *ctx, int i) {
+    const struct layer_task *t = ctx;
+    FOR_ROWS(t, i, r) residual_row(t->h + (size_t)r * t->hidden, t->proj + (size_t)r * t->hidden, t->hidden);
+}
+
+/* The attention's work list and the chunk sequences' packing buffers: kept between calls (main thread). */
+static struct attn_item *kept_items;
+static size_t kept_items_cap;
+static uint8_t *kept_heads, **kept_head_ptrs;
+static size_t kept_heads_cap, kept_head_ptrs_cap;
+
+static int grow(void **buf, size_t *cap, size_t need) {
+    if (need <= *cap) return 0;
+    void *p = realloc(*buf, need);
+    if (!p) return -1;
+    *buf = p, *cap = need;
+    return 0;
+}
+
+/* Fill t->items (and t->heads): chunk sequences' tiles, largest (latest) first, then decode sequences. */
+static int plan_attention(struct layer_task *t, int S, int *n_items, int *n_chunk) {
+    const int D = t->head_dim, chunks_ok = D % 32 == 0 && D <= MAX_D;
+    size_t items = 0, bytes = 0;
+    int chunk = 0;
+    for (int s = 0; s < S; s++) {
+        const int n = t->query_start[s + 1] - t->query_start[s];
+        if (n <= 0) continue;
+        if (chunks_ok && n > CHUNK_MIN_ROWS) {
+            items += (size_t)t->kv_heads * ((n + TQ - 1) / TQ);
+            bytes += (size_t)t->kv_heads * chunk_head_bytes(t->seq_lens[s], D);
+            chunk++;
+        } else {
+            items++;
+        }
+    }
+    if (grow((void **)&kept_items, &kept_items_cap, (items + 1) * sizeof(struct attn_item)) ||
+        grow((void **)&kept_head_ptrs, &kept_head_ptrs_cap, ((size_t)S * t->kv_heads + 1) * sizeof(uint8_t *)) ||
+        grow((void **)&kept_heads, &kept_heads_cap, bytes + 64))
+        return -1;
+    t->items = kept_items;
+    t->heads = kept_head_ptrs;
+    uint8_t *base = (uint8_t *)(((uintptr_t)kept_heads + 63) & ~(uintptr_t)63);
+    size_t at = 0;
+    int k = 0;
+    for (int s = 0; s < S; s++) {
+        const int n = t->query_start[s + 1] - t->query_start[s], len = t->seq_lens[s];
+        for (int h = 0; h < t->kv_heads; h++) t->heads[s * t->kv_heads + h] = NULL;
+        if (n <= 0 || !(chunks_ok && n > CHUNK_MIN_ROWS)) continue;
+        const int32_t *table = t->block_tables + (int64_t)s * t->bt_stride;
+        for (int b = 0; b <= (len - 1) / t->block_size; b++)
+            if (table[b] < 0 || table[b] >= t->num_blocks) return 1 + s;
+        for (int h = 0; h < t->kv_heads; h++, at += chunk_head_bytes(len, D)) t->heads[s * t->kv_heads + h] = base + at;
+        for (int tile = (n + TQ - 1) / TQ - 1; tile >= 0; tile--)
+            for (int h = 0; h < t->kv_heads; h++) t->items[k++] = (struct attn_item){s, h, tile};
+    }
+    for (int s = 0; s < S; s++) {
+        const int n = t->query_start[s + 1] - t->query_start[s];
+        if (n > 0 && !t->heads[s * t->kv_heads]) t->items[k++] = (struct attn_item){s, 0, -1};
+    }
+    *n_items = k;
+    *n_chunk = chunk;
+    return 0;
+}
+
 /* h [rows, hidden] bfloat16, updated in place. cos/sin [rows, head_dim] bfloat16. kv: this layer's pool
  * [num_blocks, 2, kv_heads, block_size, head_dim] bfloat16 (strides in elements); slots [rows] int64.
  * scratch: at least rows * (2 * hidden + 4 * inter + (q_heads + 2 * kv_heads) * head_dim * 3) * 4 bytes.
- * Returns 0, -1 (no memory), -2 (head_dim over 512), or 1 + the sequence whose block table is out of range. */
+ * Runs on `pdserve_native_threads` threads. Returns 0, -1 (no memory), -2 (head_dim over 512), or 1 + the
+ * sequence whose block table is out of range. */
 int pdserve_llama_layer(bf16 *h, int rows, int hidden, int inter, const struct layer_weights *w, float eps,
                         int q_heads, int kv_heads, int head_dim, const bf16 *cos, const bf16 *sin, bf16 *kv,
                         int64_t s_kv, int64_t s_head, int64_t s_block, int64_t s_tok, int64_t num_blocks,
@@ -280,47 +753,54 @@ int pdserve_llama_layer(bf16 *h, int rows, int hidden, int inter, const struct l
                         const int32_t *seq_lens, const int32_t *query_start, int S, int block_size, float scale,
                         void *scratch) {
     if (head_dim > 512) return -2;
-    const int nq = q_heads * head_dim, nkv = kv_heads * head_dim, nqkv = nq + 2 * nkv;
-    bf16 *x = scratch;                                  /* [rows, hidden] normed input */
-    bf16 *qkv = x + (size_t)rows * hidden;              /* [rows, nqkv] */
-    bf16 *attn = qkv + (size_t)rows * nqkv;             /* [rows, nq] */
-    bf16 *gu = attn + (size_t)rows * nq;                /* [rows, 2 * inter] */
-    bf16 *act = gu + (size_t)rows * 2 * inter;          /* [rows, inter] */
-    bf16 *proj = act + (size_t)rows * inter;            /* [rows, hidden] */
-    float *qf = (float *)(proj + (size_t)rows * hidden + 16); /* [rows, nq] float32 */
-    qf = (float *)(((uintptr_t)qf + 63) & ~(uintptr_t)63);
-    float *of = qf + (size_t)rows * nq;
+    struct layer_task t = {.h = h, .rows = rows, .hidden = hidden, .inter = inter, .q_heads = q_heads,
+                           .kv_heads = kv_heads, .head_dim = head_dim, .w = w, .eps = eps, .scale = scale,
+                           .cos = cos, .sin = sin, .kv = kv, .s_kv = s_kv, .s_head = s_head, .s_block = s_block,
+                           .s_tok = s_tok, .num_blocks = num_blocks, .bt_stride = bt_stride, .slots = slots,
+                           .block_tables = block_tables, .seq_lens = seq_lens, .query_start = query_start,
+                           .block_size = block_size};
+    t.nq = q_heads * head_dim, t.nkv = kv_heads * head_dim, t.nqkv = t.nq + 2 * t.nkv;
+    t.x = scratch;                                  /* [rows, hidden] normed input */
+    t.qkv = t.x + (size_t)rows * hidden;            /* [rows, nqkv] */
+    t.attn = t.qkv + (size_t)rows * t.nqkv;         /* [rows, nq] */
+    t.gu = t.attn + (size_t)rows * t.nq;            /* [rows, 2 * inter] */
+    t.act = t.gu + (size_t)rows * 2 * inter;        /* [rows, inter] */
+    t.proj = t.act + (size_t)rows * inter;          /* [rows, hidden] */
+    float *qf = (float *)(t.proj + (size_t)rows * hidden + 16); /* [rows, nq] float32 */
+    t.qf = (float *)(((uintptr_t)qf + 63) & ~(uintptr_t)63);
+    t.of = t.qf + (size_t)rows * t.nq;
+    atomic_init(&t.rc, 0);
+    const int ri = row_items(rows);
 
-    rms_norm(h, w->ln1, eps, rows, hidden, x);
-    project(x, hidden, rows, w->qkv, nqkv, hidden, w->qkv_bias, qkv, nqkv);
-    for (int r = 0; r < rows; r++) {
-        bf16 *row = qkv + (size_t)r * nqkv;
-        const bf16 *c = cos + (size_t)r * head_dim, *s = sin + (size_t)r * head_dim;
-        for (int hd = 0; hd < q_heads + kv_heads; hd++) rotary(row + (size_t)hd * head_dim, c, s, head_dim);
-        for (int i = 0; i < nq; i++) qf[(size_t)r * nq + i] = f32(row[i]);
-        const int64_t slot = slots[r], blk = slot / block_size, off = slot % block_size;
-        for (int g = 0; g < kv_heads; g++) {
-            bf16 *kdst = kv + blk * s_block + g * s_head + off * s_tok;
-            memcpy(kdst, row + nq + (size_t)g * head_dim, (size_t)head_dim * sizeof(bf16));
-            memcpy(kdst + s_kv, row + nq + nkv + (size_t)g * head_dim, (size_t)head_dim * sizeof(bf16));
-        }
-    }
-    int rc = pdserve_paged_attention(qf, of, kv, 1, s_kv, s_head, s_block, s_tok, num_blocks, block_tables, bt_stride,
-                                     seq_lens, query_start, S, q_heads, kv_heads, head_dim, block_size, scale, 0,
-                                     0.0f, NULL);
+    run_items(norm1_item, &t, ri);
+    project(t.x, hidden, rows, w->qkv, t.nqkv, hidden, w->qkv_bias, t.qkv, t.nqkv);
+    run_items(rope_item, &t, ri);
+    int n_items = 0, n_chunk = 0;
+    int rc = plan_attention(&t, S, &n_items, &n_chunk);
     if (rc) return rc;
-    for (size_t i = 0; i < (size_t)rows * nq; i++) attn[i] = round_bf16(of[i]);
-    project(attn, nq, rows, w->o, hidden, nq, NULL, proj, hidden);
-    for (size_t i = 0; i < (size_t)rows * hidden; i++) h[i] = add_bf16(h[i], proj[i]);
-
-    rms_norm(h, w->ln2, eps, rows, hidden, x);
-    project(x, hidden, rows, w->gate_up, 2 * inter, hidden, NULL, gu, 2 * inter);
-    for (int r = 0; r < rows; r++) {
-        const bf16 *g = gu + (size_t)r * 2 * inter, *u = g + inter;
-        for (int i = 0; i < inter; i++)
-            act[(size_t)r * inter + i] = mul_bf16(round_bf16(silu(f32(g[i]))), u[i]);
-    }
-    project(act, inter, rows, w->down, hidden, inter, NULL, proj, hidden);
-    for (size_t i = 0; i < (size_t)rows * hidden; i++) h[i] = add_bf16(h[i], proj[i]);
+    if (n_chunk) run_items(pack_item, &t, S * kv_heads);
+    run_items(attn_item, &t, n_items);
+    if ((rc = atomic_load(&t.rc))) return rc;
+    run_items(round_item, &t, ri);
+    project(t.attn, t.nq, rows, w->o, hidden, t.nq, NULL, t.proj, hidden);
+    run_items(resid_norm2_item, &t, ri);
+    project(t.x, hidden, rows, w->gate_up, 2 * inter, hidden, NULL, t.gu, 2 * inter);
+    run_items(silu_item, &t, ri);
+    project(t.act, inter, rows, w->down, hidden, inter, NULL, t.proj, hidden);
+    run_items(resid_item, &t, ri);
     return 0;
 }
+#else
+int pdserve_llama_layer(bf16 *h, int rows, int hidden, int inter, const struct layer_weights *w, float eps,
+                        int q_heads, int kv_heads, int head_dim, const bf16 *cos, const bf16 *sin, bf16 *kv,
+                        int64_t s_kv, int64_t s_head, int64_t s_block, int64_t s_tok, int64_t num_blocks,
+                        const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
+                        const int32_t *seq_lens, const int32_t *query_start, int S, int block_size, float scale,
+                        void *scratch) {
+    (void)h; (void)rows; (void)hidden; (void)inter; (void)w; (void)eps; (void)q_heads; (void)kv_heads;
+    (void)head_dim; (void)cos; (void)sin; (void)kv; (void)s_kv; (void)s_head; (void)s_block; (void)s_tok;
+    (void)num_blocks; (void)slots; (void)block_tables; (void)bt_stride; (void)seq_lens; (void)query_start;
+    (void)S; (void)block_size; (void)scale; (void)scratch;
+    return -2; /* built without AVX512-BF16: cpu_decoder.library() never loads it */
+}
+#endif

@@ -28,9 +28,8 @@ SOURCE = Path(__file__).with_name("cpu_decoder.c")
 # Steps of more rows (prompt chunks, big batches) run transformers' forward. On AVX512-BF16 the GEMV is
 # compute-bound past 16. AMX tiles keep a step cheaper than oneDNN's up to a prompt chunk (SmolLM2-135M,
 # Xeon: 64 decode rows 119 ms native, 159 through transformers; a 256-token prompt 145 vs 162; two of them
-# in one step 268 vs 270). The native layer runs on one thread, and still wins where the prefill worker
-# borrows decode's core for transformers' forward: the 256-token prompt's step in `pdserve up`, streaming
-# its layers to decode, took 207 ms through transformers on both cores and 145 ms natively on one.
+# in one step 268 vs 270). The layer splits over the threads the process may use (`set_threads`, and a
+# lender's: `set_lender`), so a prefill step on decode's lent core runs natively on both.
 MAX_ROWS = 16
 AMX_MAX_ROWS = 256
 
@@ -59,6 +58,11 @@ def library() -> ctypes.CDLL | None:
             lib.pdserve_llama_layer.restype = ctypes.c_int
             lib.pdserve_use_amx.argtypes = [i32]
             lib.pdserve_use_amx.restype = i32
+            lib.pdserve_native_threads.argtypes = [i32]
+            lib.pdserve_native_threads.restype = i32
+            lib.pdserve_native_lender.argtypes = [p]
+            lib.pdserve_native_lender.restype = None
+            lib.pdserve_native_threads_in_use.restype = i32
             amx = lib.pdserve_use_amx(int(os.environ.get("PDSERVE_NATIVE_AMX", "1") != "0"))
             log.info("native bfloat16 steps on %s", "AMX tiles" if amx else "AVX512-BF16")
             _lib = lib
@@ -73,6 +77,24 @@ def use_amx(on: bool) -> bool:
     two round differently, and a sequence's logits must not depend on when it was computed. The default is
     AMX where it runs (`PDSERVE_NATIVE_AMX=0`: AVX512-BF16)."""
     return bool(library().pdserve_use_amx(int(bool(on))))
+
+
+def set_threads(n: int) -> int:
+    """The threads native steps (and `gemv`) use from now on, this one included; returns the count in force.
+    Which thread computes what never changes a result: a step's logits are the same on any count."""
+    return int(library().pdserve_native_threads(int(n)))
+
+
+def set_lender(address: int | None) -> None:
+    """Add, at every phase of every native layer, the threads another process lends now: `address` is an
+    int32 in memory shared with it (`CpuLease.idle_word`), read as it changes; None stops reading it (call
+    that before the memory goes away)."""
+    library().pdserve_native_lender(address or None)
+
+
+def threads_in_use() -> int:
+    """The threads a native phase would use now: `set_threads`'s count plus what a lender lends."""
+    return int(library().pdserve_native_threads_in_use())
 
 
 def max_rows() -> int:

@@ -283,3 +283,41 @@ def test_a_prompt_chunk_beside_a_native_step_goes_apart_and_a_failed_step_feeds_
         assert runner.num_tokens("local") == fast  # the chunk computed first was undone with the step
         assert runner.pool.num_free == room
     assert outs[0] == outs[1]  # the running rows' tokens are those of a step without the chunk
+
+
+@needs_native
+def test_native_steps_compute_the_same_on_any_thread_count(model_dir, projection_path):
+    """A native step split over threads (`pdserve_native_threads`: the prefill worker's count grows on a lent
+    core, decode's by what prefill lends) computes each output exactly as one thread does: logits and the KV
+    written, bit for bit, for a ragged decode batch, two prompt chunks of different lengths in one step (the
+    chunk attention kernel, each sequence's heads packed at its own length, one of them past a cached prefix)
+    and a prompt beside decode rows; three threads on this 2-core machine included (oversubscribed: a helper
+    the scheduler delays takes fewer items, none is lost)."""
+    gen = torch.Generator().manual_seed(11)
+    contexts = [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in (37, 16, 70)]
+    prompts = [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in (48, 21)]
+    steps = [[("c0", [5]), ("c1", [6, 7, 8]), ("c2", [9])],
+             [("p0", prompts[0]), ("p1", prompts[1])],
+             [("c0", [11]), ("p2", prompts[1][:17]), ("c2", [12, 13])],
+             [("c1", [14]), ("c2", [15])]]
+    results = []
+    for threads in (1, 2, 3):
+        runner = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False)
+        assert runner.model.native is not None
+        for i, c in enumerate(contexts):
+            runner.prefill(f"c{i}", c)
+        runner.prefill("p1", prompts[0][:16])  # p1's chunk follows a 16-token prefix
+        runner.prefill("p0", [3])
+        runner.prefill("p2", [4])
+        torch.set_num_threads(threads)
+        try:
+            native = [b for b in steps if sum(len(t) for _, t in b) <= runner.native_rows()]  # AVX512: 16 rows
+            logits = [torch.cat(runner.step(batch)) for batch in native]
+            assert cpu_decoder.threads_in_use() == threads
+        finally:
+            torch.set_num_threads(1)
+        kv = runner.pool.kv.clone()
+        results.append((logits, kv))
+    for logits, kv in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0], logits))
+        assert torch.equal(results[0][1], kv)

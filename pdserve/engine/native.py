@@ -8,8 +8,9 @@ Which models: an architecture whose decoder layer is exactly pre-norm attention 
 with transformers' Llama norm (`NATIVE_TYPES`; q/k/v biases allowed, as Qwen2 has), every layer full
 attention with no soft cap or sinks, in bfloat16 on a CPU with AVX512-BF16, the C compiler present, and
 `PDSERVE_NATIVE_DECODE` not "0". `from_model` returns None (and says why at debug level) for anything
-else, which keeps transformers' forward. At one row the layers' output equals transformers' bfloat16
-forward bit for bit; at more, up to the matmuls' summation order (tests/test_kernel_cpu_decoder.py).
+else, which keeps transformers' forward. The layers compute what transformers' bfloat16 forward does up to
+the summation order of matmuls and reductions: as close to float32 as it is (tests/test_kernel_cpu_decoder.py),
+and the same, bit for bit, on any thread count.
 """
 from __future__ import annotations
 
@@ -142,6 +143,7 @@ class NativeDecoder:
         num_blocks, _, _, block_size, _ = kv.shape[1:]
         s_block, s_kv, s_head, s_tok, _ = kv[0].stride()
         call = self.lib.pdserve_llama_layer
+        self.lib.pdserve_native_threads(torch.get_num_threads())  # the prefill worker's count grows on a lent core
         args = (self.eps, self.q_heads, self.kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr())
         tail = (s_kv, s_head, s_block, s_tok, num_blocks, slots.data_ptr(), tables.data_ptr(), tables.stride(0),
                 lens.data_ptr(), starts.data_ptr(), tables.shape[0], block_size, self.scale, self._scratch.data_ptr())
