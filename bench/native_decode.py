@@ -1,8 +1,9 @@
 """The native bfloat16 decoder layer against transformers' forward, per decode batch and prompt size, on this CPU.
 
-    python -P bench/native_decode.py [--model default] [--context 256] [--steps 20]
+    python -P bench/native_decode.py [--model default] [--context 256] [--steps 20] [--threads 1]
 
-Two engines of the same model in bfloat16, one torch thread: the default (steps of up to
+Two engines of the same model in bfloat16, on `--threads` threads (one: a worker on its own core; two: a
+step on a lent core, pdserve.cpulease): the default (steps of up to
 `cpu_decoder.max_rows()` rows run `kernels/cpu_decoder.c`: 16 on AVX512-BF16, 256 on AMX) and one built
 without it, whose projections keep the fastest layout a calibration finds (oneDNN's packed weights here).
 Each decodes batches of 1 to 16 sequences of `--context` tokens (and 24, 32, 64 where AMX takes them),
@@ -25,8 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
 
     from pdserve.engine.calibrate import measure
     from pdserve.engine.runner import PagedRunner
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = native.vocab_size
     sizes = [b for b in (1, 4, 8, 16, 24, 32, 64) if b <= top]
     paths = [("native", native, True), ("plain", plain, amx)] + ([("avx512", native, False)] if amx else [])
-    print(f"{model_dir.name}, bfloat16, {args.context} tokens of context, one torch thread, native projections on "
+    print(f"{model_dir.name}, bfloat16, {args.context} tokens of context, {args.threads} thread(s), native projections on "
           f"{'AMX' if amx else 'AVX512-BF16'}; plan {plain.model.step_plan[1:17:5]}")
     head = f"{'native ms':>10} {'transformers ms':>16} {'speed-up':>9}" + (f" {'AVX512 ms':>10}" if amx else "")
 
