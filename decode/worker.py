@@ -195,6 +195,11 @@ class DecodeWorker(WorkerBase):
             self.step_profile = calibrated(self.engine, max_k=self.spec_max_k)
             if hasattr(model, "release_unplanned_layouts"):
                 model.release_unplanned_layouts()
+        if self.lease is not None and getattr(model, "native", None) is not None:
+            from pdserve.kernels import cpu_decoder
+
+            # prefill's threads while it has no prompt (pdserve.cpulease): a burst's decode tail runs on both cores
+            cpu_decoder.set_lender(self.lease.idle_word())
         self.controller = SpeculationController(method=args.spec.method, latency=LatencyModel(
             step_costs=self.step_profile.cost if self.step_profile else None))
         # The fused Triton verifier on GPUs; the torch reference (same function) on the CPU.

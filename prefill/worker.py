@@ -609,9 +609,13 @@ class PrefillWorker(WorkerBase):
                 self.m_pp.labels("over_budget").inc()
             plan = self._plan()
             if not plan:
+                if self.lease is not None:
+                    self.lease.lend_idle(self.args.threads)  # decode's native layers use them until work arrives
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self.lease is not None:
+                self.lease.lend_idle(0)  # taken back before computing: decode drops them at its next phase
             t0 = time.monotonic()
             for job, _ in plan:
                 if not job.started_at:

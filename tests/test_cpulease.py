@@ -69,3 +69,54 @@ def test_a_borrower_that_dies_holding_the_lease_frees_it(tmp_path):
     decode.hold()  # the kernel released the dead process's lock
     assert decode.held
     decode.close()
+
+
+LENDER = """
+import sys
+from pdserve.cpulease import CpuLease
+lease = CpuLease(sys.argv[1])
+for line in sys.stdin:
+    lease.lend_idle(int(line))
+    print("lent", lease.idle_threads(), flush=True)
+"""
+
+
+def test_prefill_lends_its_idle_threads_to_decode_native_layers_and_takes_them_back(tmp_path):
+    """The other direction: prefill (another process) writes how many of its threads are idle into the shared
+    word, and decode's native layers read it at every phase (`cpu_decoder.threads_in_use`), with no lock and
+    no wait on either side. A word nobody wrote lends nothing."""
+    from pdserve.kernels import cpu_decoder
+
+    path = tmp_path / "lease"
+    decode = CpuLease(path)
+    decode.offer(1)
+    assert decode.idle_threads() == 0
+    prefill = subprocess.Popen([sys.executable, "-c", LENDER, str(path)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+
+    def lend(n: int) -> None:
+        prefill.stdin.write(f"{n}\n")
+        prefill.stdin.flush()
+        assert prefill.stdout.readline().split() == ["lent", str(n)]
+
+    native = cpu_decoder.library() is not None
+    if native:
+        before = cpu_decoder.set_threads(1)
+        cpu_decoder.set_lender(decode.idle_word())
+    try:
+        lend(2)
+        assert decode.idle_threads() == 2
+        if native:
+            assert cpu_decoder.threads_in_use() == 3
+        lend(0)  # work arrived at prefill
+        assert decode.idle_threads() == 0
+        if native:
+            assert cpu_decoder.threads_in_use() == 1
+    finally:
+        if native:
+            cpu_decoder.set_lender(None)
+            cpu_decoder.set_threads(before)
+        prefill.stdin.close()
+        assert prefill.wait(30) == 0
+    decode.close()
+    assert CpuLease(path).idle_threads() == 0  # prefill's last word stands for whoever opens it next
