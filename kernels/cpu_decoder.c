@@ -35,6 +35,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <signal.h>
+#include <sched.h>
 #include <limits.h>
 
 typedef uint16_t bf16;
@@ -307,7 +308,7 @@ static void amx_gemm(const bf16 *x, int ldx, int rows, const bf16 *packed, int n
  * also proves the phase it belongs to is still the current one. Helpers spin briefly between phases (a layer's
  * phases are microseconds apart), then sleep on a futex, so a lent core is handed back within SPIN_NS. */
 #define MAX_THREADS 15
-#define SPIN_NS 100000
+#define SPIN_NS 50000
 
 typedef void (*item_fn)(const void *ctx, int item);
 
@@ -426,7 +427,12 @@ static void run_items(item_fn fn, const void *ctx, int items) {
         futex(&pool.wake, FUTEX_WAKE_PRIVATE, INT_MAX);
     }
     claim(0, pool.gen);
-    while (atomic_load_explicit(&pool.done, memory_order_acquire) < items) _mm_pause();
+    /* the rest are items a helper began; one the scheduler preempted (a client, the front) may be queued on
+     * this very core: after a short spin, yield to it */
+    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < items; spins++) {
+        _mm_pause();
+        if (spins > 2000) sched_yield();
+    }
 }
 
 /* The threads native steps use from now on (n >= 1; at most MAX_THREADS + 1); n <= 0 changes nothing.
