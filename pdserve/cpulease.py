@@ -82,6 +82,17 @@ class CpuLease:
             self.release()
         return threads
 
+    def owner_busy(self) -> bool:
+        """Whether the owner holds the lease now (decode is stepping), without taking it."""
+        if self.held:
+            return False
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
+
     def lent_threads(self) -> int:
         try:
             return max(0, int(os.pread(self._fd, 16, 0).decode().strip() or 0))

@@ -84,6 +84,8 @@ _JOB_IDS = itertools.count()
 # One prompt a step is also within what computes bit for bit as one thread does: a float32 GEMM of 5-11
 # rows sums in another order with two threads (torch 2.13), and the head has a row per completed prompt.
 LEASE_MIN_TOKENS = 64
+# How often a pre-positioning hint that waits for a busy co-located decode worker looks again.
+HINT_RECHECK_S = 0.05
 DEFER_QUEUE_TOKENS_GPU = 256  # --defer-queue-tokens on a GPU: a prompt behind one prefill chunk's worth goes to decode
 HANDOFF_REROUTES = 3  # offers to the model's queue group after the routed decode worker did not take one
 
@@ -528,8 +530,9 @@ class PrefillWorker(WorkerBase):
         as a prompt waits, rather than keep it waiting for the rest of the chunk (a 256-token chunk of
         SmolLM2 is ~250 ms on a CPU core: measured, the whole gap between a lone request's TTFT and its
         prefill, when the hint of the request before was still computing). The engine leaves the hint's
-        sequence as it was before the step; the hint goes on when the worker is idle again."""
-        if self._hint_step and self.jobs:
+        sequence as it was before the step; the hint goes on when the worker is idle again. The same when a
+        co-located decode worker starts stepping (pdserve.cpulease): the machine is no longer idle."""
+        if self._hint_step and (self.jobs or (self.lease is not None and self.lease.owner_busy())):
             raise HintYielded
 
     # -- layer streaming (compute thread: hooks on the engine's layers) -----------------------
@@ -608,6 +611,17 @@ class PrefillWorker(WorkerBase):
                 self.hints.clear()  # the budget is full of pre-positioned KV nobody used yet
                 self.m_pp.labels("over_budget").inc()
             plan = self._plan()
+            if plan and self.lease is not None and all(job.hint for job, _ in plan) and self.lease.owner_busy():
+                # pre-positioning is idle-time work, and this machine is not idle while its decode steps: the
+                # hint waits, and decode keeps these threads (a burst's last answers, each followed by a hint,
+                # were computed beside the others' decode tail)
+                self.lease.lend_idle(self.args.threads)
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), HINT_RECHECK_S)
+                except asyncio.TimeoutError:
+                    pass
+                continue
             if not plan:
                 if self.lease is not None:
                     self.lease.lend_idle(self.args.threads)  # decode's native layers use them until work arrives

@@ -351,3 +351,50 @@ def test_a_prompt_stops_a_pre_positioning_step_between_layers(nats_server, model
                  "the hint to be computed after the prompt", 120)
     finally:
         c.stop()
+
+
+def test_pre_positioning_waits_while_the_co_located_decode_worker_steps(nats_server, model_dir, hf):
+    """Pre-positioning is idle-time work: with decode on the same machine (`pdserve.cpulease`), a hint is not
+    computed while decode holds its lease (steps), so the core it borrows stays its own, and it is computed
+    once decode is idle. Here this test holds the lease file as a stepping decode does."""
+    import urllib.request
+
+    from pdserve.cpulease import CpuLease
+    from pdserve.natsserver import free_port
+
+    port = free_port()
+    c = LocalCluster(str(model_dir), prefill_workers=1, decode_workers=1, nats=nats_server.creds,
+                     worker_args={"prefill": ["--metrics-port", str(port)]})
+    c.start()
+    busy = CpuLease(c.log_dir / "cpu-lease-0")
+    try:
+        def outcomes() -> dict[str, float]:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith("pdserve_preposition_total{")}
+
+        hint_ids = hf[0].encode(LONG[:2000], add_special_tokens=False)[:200]
+        last_block = announced(prefix_hashes(hint_ids, 16)[-1])
+
+        async def send_hint():
+            nc = await nats.connect(**nats_server.creds.connect_kwargs())
+            try:
+                await nc.publish(Subjects.preposition(c.scope, "prefill-0"),
+                                 PrepositionHint(request_id="h", model=MODEL, token_ids=hint_ids).encode())
+                await nc.flush()
+            finally:
+                await nc.close()
+
+        busy.hold()  # decode "steps" from now on
+        asyncio.run(send_hint())
+        wait_for(lambda: outcomes().get("received", 0) >= 1, "the hint to arrive", 30)
+        time.sleep(1.5)  # 200 tokens take well under a second on a core
+        assert outcomes().get("computed", 0) == 0
+        assert busy.idle_threads() >= 1  # and prefill lends its threads meanwhile
+        busy.release()  # decode idle
+        wait_for(lambda: last_block in load_reports(c, "prefill", 1.1)["prefill-0"].cached_blocks,
+                 "the hint to be computed once decode is idle", 60)
+        assert outcomes().get("computed", 0) >= 1
+    finally:
+        busy.close()
+        c.stop()
