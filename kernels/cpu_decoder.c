@@ -212,11 +212,10 @@ static void amx_configure32(void) {
     _tile_loadconfig(&c);
 }
 
-/* y rows [0, 32) x the 32 outputs of group g: each pair of x and weight tiles feeds four products (the 16-row
- * block's one x tile fed four weight tiles from L2; a group's weights, 32 x k x 2 bytes, stay in L1 for every
- * further 32 rows). Tiles configured by amx_configure32. */
-static void amx_block32(const bf16 *x, int ldx, const bf16 *packed, int n, int k, const bf16 *bias, bf16 *y, int ldy,
-                        int g) {
+/* The sums of rows [0, 32) by the 32 outputs of group g into tiles 0-3: each pair of x and weight tiles feeds
+ * four products (the 16-row block's one x tile fed four weight tiles from L2; a group's weights, 32 x k x 2
+ * bytes, stay in L1 for every further 32 rows). Tiles configured by amx_configure32. */
+static inline void amx_sums32(const bf16 *x, int ldx, const bf16 *packed, int k, int g) {
     const size_t k2 = (size_t)k / 2;
     const bf16 *w = packed + (size_t)g * k2 * 64;
     _tile_zero(0);
@@ -234,11 +233,17 @@ static void amx_block32(const bf16 *x, int ldx, const bf16 *packed, int n, int k
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
-    float c[32][32] __attribute__((aligned(64)));
+}
+
+static inline void amx_store32(float c[32][32]) {
     _tile_stored(0, &c[0][0], 128);
     _tile_stored(1, &c[0][16], 128);
     _tile_stored(2, &c[16][0], 128);
     _tile_stored(3, &c[16][16], 128);
+}
+
+/* y rows [0, 32) x group g's outputs from the block's float32 sums c, plus bias, rounded */
+static void amx_finish32(float c[32][32], const bf16 *bias, int n, bf16 *y, int ldy, int g) {
     for (int j = 0; j < 2; j++) {
         const int o0 = g * 32 + j * 16, cnt = n - o0 < 16 ? n - o0 : 16;
         if (cnt <= 0) break;
@@ -248,17 +253,26 @@ static void amx_block32(const bf16 *x, int ldx, const bf16 *packed, int n, int k
     }
 }
 
-/* y = x . W^T on AMX for the outputs of groups g0..g1-1. Rows in blocks of 32 per group (amx_block32), the
+/* y = x . W^T on AMX for the outputs of groups g0..g1-1. Rows in blocks of 32 per group (amx_sums32), the
  * remaining < 32 in blocks of up to 16 rows by 64 outputs (their weights, at most 64 x k x 2 bytes, in cache for
  * the next block). Tile state is the calling thread's: configured here, released at the end. */
 static void amx_gemm(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, int k, const bf16 *bias,
                      bf16 *y, int ldy, int g0, int g1) {
     const int full = rows / 32 * 32;
     if (full) {
+        /* block b's sums are rounded into y while block b + 1's products run: the vector unit's epilogue
+         * overlaps the tile unit's work instead of waiting, after each block, for its sums to reach memory */
+        float c[2][32][32] __attribute__((aligned(64)));
+        int pg = -1, pr = 0, cur = 0;
         amx_configure32();
         for (int g = g0; g < g1; g++)
-            for (int r0 = 0; r0 < full; r0 += 32)
-                amx_block32(x + (size_t)r0 * ldx, ldx, packed, n, k, bias, y + (size_t)r0 * ldy, ldy, g);
+            for (int r0 = 0; r0 < full; r0 += 32) {
+                amx_sums32(x + (size_t)r0 * ldx, ldx, packed, k, g);
+                if (pg >= 0) amx_finish32(c[cur ^ 1], bias, n, y + (size_t)pr * ldy, ldy, pg);
+                amx_store32(c[cur]);
+                pg = g, pr = r0, cur ^= 1;
+            }
+        amx_finish32(c[cur ^ 1], bias, n, y + (size_t)pr * ldy, ldy, pg);
     }
     int configured = 0;
     for (int g = g0; g < g1; g += 2)
