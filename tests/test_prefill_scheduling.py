@@ -278,14 +278,16 @@ def test_offload_tier_lets_another_worker_skip_a_stored_prefix(nats_server, mode
 def test_layer_streamed_handoff_gives_the_same_tokens_and_stops_at_a_first_token_stop(nats_server, model_dir, hf):
     """The default handoff streams each layer's KV during the prompt's last forward (checked on
     prefill's metrics); decode continues from the first token it reads off the stream. A request whose
-    first token already stops it is finished by prefill and never continued by decode."""
+    first token already stops it is finished by prefill and never continued by decode. Workers that share no
+    cores (no CPU lease), as in separate pods: a lone prompt here would otherwise run on decode's lent core,
+    which sends its KV after the forward (the next test)."""
     import urllib.request
 
     from pdserve.natsserver import free_port
 
     tok = hf[0]
     port = free_port()
-    with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds,
+    with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds, cpu_lease=False,
                       worker_args={"prefill": ["--metrics-port", str(port)]}) as c:
         def streamed() -> float:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -305,6 +307,29 @@ def test_layer_streamed_handoff_gives_the_same_tokens_and_stops_at_a_first_token
         s, out = post(c.url + "/v1/completions", {"model": MODEL, "prompt": ids[:50], "max_tokens": 4, "temperature": 0,
                                                   "return_token_ids": True, "ignore_eos": True})
         assert s == 200 and out["choices"][0]["token_ids"] == hf_greedy(hf, ids[:50], 4)
+
+
+def test_a_prompt_on_decodes_lent_core_sends_its_kv_after_the_forward(nats_server, model_dir, hf):
+    """A lone prompt borrows its idle decode worker's core (pdserve.cpulease). That step does not stream its KV
+    layer by layer: decode runs nothing meanwhile, and receiving the stream would compete with the step for
+    the cores it borrowed. The handoff after the forward gives the same tokens."""
+    import urllib.request
+
+    from pdserve.natsserver import free_port
+
+    port = free_port()
+    with LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds,
+                      worker_args={"prefill": ["--metrics-port", str(port)]}) as c:
+        def metric(name: str) -> float:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " "))
+
+        ids = hf[0].encode(LONG, add_special_tokens=False)[:200]  # one step (chunks of 256)
+        s, out = post(c.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0,
+                                                  "return_token_ids": True, "ignore_eos": True})
+        assert s == 200 and out["choices"][0]["token_ids"] == hf_greedy(hf, ids, 6)
+        assert metric("pdserve_prefill_cpu_lease_steps_total") >= 1  # the step ran on both workers' threads
+        assert metric("pdserve_kv_layer_streamed_total") == 0
 
 
 def test_a_prompt_stops_a_pre_positioning_step_between_layers(nats_server, model_dir, hf):
