@@ -164,11 +164,6 @@ class PrefillWorker(WorkerBase):
         self.prefix_store = None  # the offload tier, when --prefix-offload
         self.stream_layers = args.kv.stream_layers and hasattr(self.engine, "model")
         self._stream_candidates: list[Job] = []  # jobs whose last chunk the running step computes
-        # A step on decode's lent core sends its KV after the forward, not layer by layer: decode runs nothing
-        # then (no step of its waits for that KV sooner), and receiving a stream competes with the step for
-        # the very cores it borrowed (guidellm at concurrency 1, SmolLM2-135M bf16, Xeon: TTFT p50 94 ms
-        # streamed, 75 ms sent after).
-        self._step_lent = False
         self._streams: list[Job] = []  # … of which decode accepted a streamed offer
         self.loop: asyncio.AbstractEventLoop | None = None
         self._offload_busy = False
@@ -466,7 +461,7 @@ class PrefillWorker(WorkerBase):
                             del self._pp_hashes[h]
             n = min(n, job.remaining)
             batch.append((job, n))
-        if self.stream_layers and not self._step_lent:
+        if self.stream_layers:
             self._stream_candidates = [j for j, n in batch if not j.hint and n == j.remaining
                                        and j.req.sampling.max_tokens > 1 and j.req.sampling.n == 1
                                        and j.stream is None]
@@ -507,11 +502,9 @@ class PrefillWorker(WorkerBase):
         import torch
 
         torch.set_num_threads(self.args.threads + lent)
-        self._step_lent = True
         try:
             return self._step(plan)
         finally:
-            self._step_lent = False
             torch.set_num_threads(self.args.threads)
             self.lease.release()
             self.m_lease.inc()

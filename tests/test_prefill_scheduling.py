@@ -279,8 +279,8 @@ def test_layer_streamed_handoff_gives_the_same_tokens_and_stops_at_a_first_token
     """The default handoff streams each layer's KV during the prompt's last forward (checked on
     prefill's metrics); decode continues from the first token it reads off the stream. A request whose
     first token already stops it is finished by prefill and never continued by decode. Workers that share no
-    cores (no CPU lease), as in separate pods: a lone prompt here would otherwise run on decode's lent core,
-    which sends its KV after the forward (the next test)."""
+    cores (no CPU lease), as in separate pods: a pair sharing them hands off after the forward (the next
+    test)."""
     import urllib.request
 
     from pdserve.natsserver import free_port
@@ -309,10 +309,11 @@ def test_layer_streamed_handoff_gives_the_same_tokens_and_stops_at_a_first_token
         assert s == 200 and out["choices"][0]["token_ids"] == hf_greedy(hf, ids[:50], 4)
 
 
-def test_a_prompt_on_decodes_lent_core_sends_its_kv_after_the_forward(nats_server, model_dir, hf):
-    """A lone prompt borrows its idle decode worker's core (pdserve.cpulease). That step does not stream its KV
-    layer by layer: decode runs nothing meanwhile, and receiving the stream would compete with the step for
-    the cores it borrowed. The handoff after the forward gives the same tokens."""
+def test_workers_sharing_cpu_cores_hand_kv_off_after_the_forward(nats_server, model_dir, hf):
+    """A prefill and a decode worker on the same CPU cores (`pdserve up`'s pairs, a CPU lease) send the KV
+    after the prompt's forward, not layer by layer: receiving a stream competes with the step for the very
+    cores (here the lone prompt borrows decode's), and decode accepting it first would stall the step on
+    decode's loop. The handoff gives the same tokens."""
     import urllib.request
 
     from pdserve.natsserver import free_port
