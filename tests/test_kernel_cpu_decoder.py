@@ -48,12 +48,12 @@ def projection_path(request):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 40, 64])
 @pytest.mark.parametrize("n,k,bias", [(96, 64, False), (40, 32, True), (300, 130, False), (200, 576, True)])
 def test_gemv_computes_the_bfloat16_product(rows, n, k, bias, projection_path):
-    """Both paths against a float32 product of the same numbers: row counts past a tile (16) and a pass (8),
-    output counts past a group (32) and a block (64), and an input count that is no multiple of 32 (130: AMX
-    hands it to the AVX512 GEMV)."""
+    """Both paths against a float32 product of the same numbers: row counts past a tile (16), a pass (8) and
+    AMX's 32-row block, output counts past a group (32) and a block (64), and an input count that is no
+    multiple of 32 (130: AMX hands it to the AVX512 GEMV)."""
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
@@ -64,8 +64,10 @@ def test_gemv_computes_the_bfloat16_product(rows, n, k, bias, projection_path):
     assert got.shape == (rows, n)
     # one bfloat16 rounding of the float32 sum: half a unit in the 8th bit of each output
     assert ((got - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()
-    # a row's result never depends on the rows beside it (a sequence's logits on its batch)
+    # a row's result never depends on the rows beside it (a sequence's logits on its batch): the first row sits
+    # in AMX's 32-row blocks where there are 32 rows, the last in its 16-row tail
     assert torch.equal(cpu_decoder.gemv(x[-1:], packed, n, b).float(), got[-1:])
+    assert torch.equal(cpu_decoder.gemv(x[:1], packed, n, b).float(), got[:1])
 
 
 def _runners(model_dir):
