@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("pdserve.bench:main", "benchmarks: serving path vs transformers generate"),
     "operator": ("pdserve.operator.main:main", "run the Kubernetes operator (kopf)"),
     "metrics-adapter": ("pdserve.autoscale.adapter:main", "serve custom.metrics.k8s.io from worker load reports"),
+    "webhook-check": ("pdserve.operator.webhookcheck:main",
+                      "wait until the API server reaches the admission webhook (the chart's install hook)"),
 }
 
 
