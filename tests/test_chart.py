@@ -121,6 +121,44 @@ def test_default_render_is_secure_and_complete():
     assert f"{svc['name']}.{svc['namespace']}.svc" in sans
 
 
+def test_webhook_check_hook_runs_after_install_with_one_right():
+    """The post-install/post-upgrade Job that waits for the API server to reach the webhook: a
+    hook (so `helm install --wait` waits for it), deleted when it succeeds, its ServiceAccount
+    allowed exactly `create` on InferenceServices in the release namespace, and absent when
+    the webhook or the check is off."""
+    docs = render("--set", "webhook.startupCheck.timeoutSeconds=45")
+    hooks = [d for d in docs if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "webhook-check"]
+    assert sorted(d["kind"] for d in hooks) == ["Job", "Role", "RoleBinding", "ServiceAccount"]
+    for d in hooks:
+        ann = d["metadata"]["annotations"]
+        assert ann["helm.sh/hook"] == "post-install,post-upgrade"
+        assert "hook-succeeded" in ann["helm.sh/hook-delete-policy"]
+        assert d["metadata"]["namespace"] == "pdserve-system"
+    weight = {d["kind"]: int(d["metadata"]["annotations"]["helm.sh/hook-weight"]) for d in hooks}
+    assert weight["Job"] > max(weight["Role"], weight["RoleBinding"], weight["ServiceAccount"])
+    role = next(d for d in hooks if d["kind"] == "Role")
+    assert role["rules"] == [{"apiGroups": ["pdserve.io"], "resources": ["inferenceservices"], "verbs": ["create"]}]
+    binding = next(d for d in hooks if d["kind"] == "RoleBinding")
+    sa = next(d for d in hooks if d["kind"] == "ServiceAccount")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "pdserve-system"}]
+    job = next(d for d in hooks if d["kind"] == "Job")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == sa["metadata"]["name"] and pod["restartPolicy"] == "Never"
+    c = pod["containers"][0]
+    assert c["image"] == "ghcr.io/pdserve/pdserve-operator:0.1.0"  # the slim operator image
+    assert c["command"] == ["pdserve", "webhook-check", "--namespace=pdserve-system", "--timeout=45"]
+    assert job["spec"]["activeDeadlineSeconds"] > 45 and job["spec"]["backoffLimit"] == 0
+    # the command it runs exists in the package (a renamed subcommand would fail every install)
+    from pdserve.cli import SUBCOMMANDS
+
+    assert "webhook-check" in SUBCOMMANDS
+    for off in (["--set", "webhook.startupCheck.enabled=false"], NON_DEFAULT):
+        assert not any(d["kind"] == "Job" for d in render(*off))
+    bad = helm("template", "rel", str(CHART), "--set", "webhook.startupCheck.timeoutSeconds=0", check=False)
+    assert bad.returncode != 0 and "timeoutSeconds" in bad.stderr
+
+
 def test_operator_environment_is_its_settings():
     """Every variable the chart sets on the operator is one of its typed settings (a misspelt
     one would be ignored), and the CRD is applied at start unless turned off."""

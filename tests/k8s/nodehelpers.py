@@ -70,8 +70,16 @@ def chart_values(node) -> list[str]:
 
 
 def install_chart(tools: Tools, *extra: str) -> str:
-    out = tools.helm("install", RELEASE, str(REPO / "charts/pdserve"), "-n", SYSTEM_NS, "--create-namespace",
-                     *chart_values(tools.node), *extra).stdout
+    """`helm install` (which returns after its post-install hook, the webhook check, succeeds;
+    a failure names what the check last saw), then the operator and NATS pods Ready."""
+    r = tools.helm("install", RELEASE, str(REPO / "charts/pdserve"), "-n", SYSTEM_NS, "--create-namespace",
+                   *chart_values(tools.node), *extra, check=False)
+    if r.returncode != 0:
+        logs = tools.kubectl("logs", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=webhook-check",
+                             "--tail=20", check=False)
+        raise AssertionError(f"helm install failed ({r.returncode}): {r.stderr.strip()}; "
+                             f"webhook-check logs: {logs.stdout.strip() or logs.stderr.strip()}")
+    out = r.stdout
     wait_pods_ready(tools, SYSTEM_NS, "app.kubernetes.io/component=operator", 1)
     wait_pods_ready(tools, SYSTEM_NS, "app.kubernetes.io/component=nats", 1)
     return out

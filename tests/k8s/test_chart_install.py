@@ -11,6 +11,7 @@ import base64
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,9 @@ def test_helm_install_upgrade_and_operator_under_chart_rbac(k8s_cluster, k8s_api
         kube.request("PUT", crd_path, {**old_crd, "metadata": {**old_crd["metadata"],
                                                                 "resourceVersion": current["metadata"]["resourceVersion"]}})
     # Ignore: no operator pod can serve the webhook here (no kubelet); Fail is the chart default.
-    values = ["--set", "webhook.failurePolicy=Ignore"]
+    # No startup check either: its hook Job would never run, and Helm waits for hook Jobs. (The
+    # node tests run it for real; below it runs from this process, where it must not pass.)
+    values = ["--set", "webhook.failurePolicy=Ignore", "--set", "webhook.startupCheck.enabled=false"]
     out = run("install", rel, str(old_chart), "-n", ns, "--create-namespace", *values)
     assert "kubectl get pdis" in out  # NOTES.txt
     try:
@@ -74,6 +77,16 @@ def test_helm_install_upgrade_and_operator_under_chart_rbac(k8s_cluster, k8s_api
         tls = kube.get("v1", "Secret", ns, "pd-pdserve-webhook-tls")
         assert vwc["webhooks"][0]["clientConfig"]["caBundle"] == tls["data"]["ca.crt"]
         password = kube.get("v1", "Secret", ns, "pd-pdserve-nats-credentials")["data"]["password"]
+
+        # The install hook's check, run here: no operator serves the webhook, so with Ignore the
+        # API server admits the invalid probe, and an admission is no proof: it must fail, and
+        # say why. Its dry run stored nothing.
+        check = subprocess.run([sys.executable, "-P", "-m", "pdserve.cli", "webhook-check", f"--namespace={ns}",
+                                "--timeout=3", f"--kubeconfig={k8s_cluster.kubeconfig}"],
+                               capture_output=True, text=True, timeout=60)
+        assert check.returncode == 1, (check.stdout, check.stderr)
+        assert "FAILED: no webhook denial in 3 s" in check.stderr and "admitted" in check.stderr, check.stderr
+        assert kube.request("GET", f"/apis/{API}/namespaces/{ns}/inferenceservices")["items"] == []
 
         # Upgrade: generated credentials and certificates survive (lookup).
         run("upgrade", rel, str(REPO / "charts/pdserve"), "-n", ns, *values, "--set", "operator.verbose=true")

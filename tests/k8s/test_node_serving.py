@@ -80,6 +80,12 @@ def test_helm_install_operator_ready_and_webhook_refuses_invalid_spec(tools, rel
                       "import importlib.util as u; print([m for m in ('torch', 'transformers') if u.find_spec(m)])")
     assert r.stdout.strip() == "[]"
 
+    # helm install returned after its post-install hook saw the webhook deny a dry-run probe
+    # through the Service; the succeeded hook and its one-right ServiceAccount are gone.
+    assert tools.get("jobs,serviceaccounts,roles", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=webhook-check")["items"] == []
+
+    # So the first apply right after the install reaches the webhook (before the hook, kube-proxy
+    # could still be programming the Service's ClusterIP: "connection refused").
     fresh_namespace(tools, "pdserve-invalid")
     bad = {"apiVersion": "pdserve.io/v1alpha1", "kind": "InferenceService",
            "metadata": {"name": "bad", "namespace": "pdserve-invalid"},
