@@ -32,20 +32,19 @@ import datetime
 import collections
 import json
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import kopf
-from kubernetes import client, config as kconfig
+from kubernetes import client
 
 from pdserve.config import OperatorSettings, from_environ
 
 from .crd import GROUP, KIND, PLURAL, VERSION, apply_defaults, crd
 from . import natsusers
-from .kube import Kube, path_for
+from .kube import Kube, api_client, path_for
 from .reconcile import (DRAFT_POOL, POOLS, OperatorConfig, autoscaled, compute_status, desired_children,
                         prefill_bounds_for_ratio)
 from .validation import validate
@@ -57,16 +56,6 @@ REFUSED_RETRY_S = 60.0
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _api_client() -> client.ApiClient:
-    cfg = client.Configuration()
-    try:
-        kconfig.load_incluster_config(client_configuration=cfg)
-    except kconfig.ConfigException:
-        # KUBECONFIG read now, not at import time of kubernetes.config (which caches the default).
-        kconfig.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None, client_configuration=cfg)
-    return client.ApiClient(cfg)
 
 
 @kopf.on.login()
@@ -99,7 +88,7 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Lo
         prefix=GROUP, key="last-handled-configuration")
     settings.persistence.progress_storage = kopf.SmartProgressStorage(prefix=GROUP)
     opts = from_environ(OperatorSettings)
-    kube = Kube(_api_client())
+    kube = Kube(api_client())
     memo.kube = kube
     memo.locks = collections.defaultdict(threading.RLock)  # (namespace, name) -> that InferenceService's lock
     if opts.manage_crd:

@@ -9,9 +9,11 @@ thread pool.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from kubernetes import client
+from kubernetes import config as kconfig
 
 PLURALS = {
     "Deployment": "deployments", "Service": "services", "Secret": "secrets",
@@ -34,25 +36,39 @@ def path_for(api_version: str, kind: str, namespace: str | None, name: str | Non
     return p
 
 
+def api_client(kubeconfig: str | None = None) -> client.ApiClient:
+    """A client for this pod's ServiceAccount in a cluster; outside one, `kubeconfig` (default
+    $KUBECONFIG, read now, not at import time of kubernetes.config, which caches the default)."""
+    cfg = client.Configuration()
+    try:
+        kconfig.load_incluster_config(client_configuration=cfg)
+    except kconfig.ConfigException:
+        kconfig.load_kube_config(config_file=kubeconfig or os.environ.get("KUBECONFIG") or None,
+                                 client_configuration=cfg)
+    return client.ApiClient(cfg)
+
+
 class Kube:
     """JSON in, JSON out. Raises `kubernetes.client.ApiException` on HTTP errors (404 -> None in get)."""
 
     def __init__(self, api_client: client.ApiClient):
         self.api = api_client
 
-    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                timeout: float | None = None) -> Any:
+        """One call; `timeout` (seconds) bounds connecting and reading (None: the client's default, none)."""
         headers = {"Accept": "application/json", "Content-Type": content_type}
         if hasattr(self.api, "param_serialize"):  # kubernetes >= 34 (new generator)
             m, url, h, b, _ = self.api.param_serialize(method=method, resource_path=path, header_params=headers,
                                                        body=body, auth_settings=["BearerToken"])
-            resp = self.api.call_api(m, url, header_params=h, body=b)
+            resp = self.api.call_api(m, url, header_params=h, body=b, _request_timeout=timeout)
             data = resp.read()
             if not 200 <= resp.status < 300:
                 raise client.ApiException(http_resp=resp)
         else:  # older clients
             resp = self.api.call_api(path, method, path_params={}, query_params=[], header_params=headers,
                                      body=body, auth_settings=["BearerToken"], _preload_content=False,
-                                     _return_http_data_only=True)
+                                     _return_http_data_only=True, _request_timeout=timeout)
             data = resp.data
         return json.loads(data) if data else None
 

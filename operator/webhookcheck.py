@@ -26,19 +26,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from kubernetes import client
-from kubernetes import config as kconfig
 
 from pdserve.operator.crd import GROUP, PLURAL, VERSION
+from pdserve.operator.kube import Kube, api_client, path_for
 
 WEBHOOK_NAME = "validate.inferenceservices.pdserve.io"
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+REQUEST_TIMEOUT_S = 15  # one try; a silent API server must not outlast the check's deadline
 
 
 def probe_object() -> dict:
@@ -84,31 +84,12 @@ def classify(status: int, body: str) -> Outcome:
     return Outcome("retry", f"HTTP {status}: {msg}")
 
 
-def _api_client(kubeconfig: str | None) -> client.ApiClient:
-    cfg = client.Configuration()
-    try:
-        kconfig.load_incluster_config(client_configuration=cfg)
-    except kconfig.ConfigException:
-        kconfig.load_kube_config(config_file=kubeconfig or os.environ.get("KUBECONFIG") or None,
-                                 client_configuration=cfg)
-    return client.ApiClient(cfg)
-
-
 def dry_run_create(api: client.ApiClient, namespace: str) -> tuple[int, str]:
     """POST the probe with dryRun=All; (status, body). Connection failures come back as status 0."""
-    path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
-    headers = {"Accept": "application/json", "Content-Type": "application/json"}
     try:
-        if hasattr(api, "param_serialize"):  # kubernetes >= 34
-            m, url, h, b, _ = api.param_serialize(method="POST", resource_path=path, header_params=headers,
-                                                  query_params=[("dryRun", "All")], body=probe_object(),
-                                                  auth_settings=["BearerToken"])
-            resp = api.call_api(m, url, header_params=h, body=b, _request_timeout=15)
-            return resp.status, resp.read().decode(errors="replace")
-        resp = api.call_api(path, "POST", path_params={}, query_params=[("dryRun", "All")],
-                            header_params=headers, body=probe_object(), auth_settings=["BearerToken"],
-                            _preload_content=False, _return_http_data_only=True, _request_timeout=15)
-        return resp.status, resp.data.decode(errors="replace")
+        created = Kube(api).request("POST", path_for(f"{GROUP}/{VERSION}", "InferenceService", namespace)
+                                    + "?dryRun=All", probe_object(), timeout=REQUEST_TIMEOUT_S)
+        return 201, json.dumps(created)  # a 2xx (Kube.request returns the body only): admitted
     except client.ApiException as e:
         return e.status or 0, e.body.decode(errors="replace") if isinstance(e.body, bytes) else str(e.body or e.reason)
     except Exception as e:  # urllib3 connection errors: the API server itself is not reachable yet
@@ -153,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout <= 0 or args.interval <= 0:
         p.error("--timeout and --interval must be positive")
     namespace = args.namespace or _default_namespace()
-    api = _api_client(args.kubeconfig)
+    api = api_client(args.kubeconfig)
     t0 = time.monotonic()
     out = wait_ready(lambda: dry_run_create(api, namespace), args.timeout, args.interval)
     if out.verdict == "ready":
