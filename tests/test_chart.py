@@ -149,10 +149,14 @@ def test_webhook_check_hook_runs_after_install_with_one_right():
     assert c["image"] == "ghcr.io/pdserve/pdserve-operator:0.1.0"  # the slim operator image
     assert c["command"] == ["pdserve", "webhook-check", "--namespace=pdserve-system", "--timeout=45"]
     assert job["spec"]["activeDeadlineSeconds"] > 45 and job["spec"]["backoffLimit"] == 0
-    # the command it runs exists in the package (a renamed subcommand would fail every install)
+    # the command it runs exists in the package (a renamed subcommand would fail every install),
+    # and waits for the denial of the webhook this chart registers (a renamed one would time out)
     from pdserve.cli import SUBCOMMANDS
+    from pdserve.operator.webhookcheck import WEBHOOK_NAME
 
     assert "webhook-check" in SUBCOMMANDS
+    vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
+    assert [w["name"] for w in vwc["webhooks"]] == [WEBHOOK_NAME]
     for off in (["--set", "webhook.startupCheck.enabled=false"], NON_DEFAULT):
         assert not any(d["kind"] == "Job" for d in render(*off))
     bad = helm("template", "rel", str(CHART), "--set", "webhook.startupCheck.timeoutSeconds=0", check=False)
