@@ -256,7 +256,7 @@ def test_a_prompt_chunk_beside_a_native_step_goes_apart_and_a_failed_step_feeds_
     gen = torch.Generator().manual_seed(7)
     # two of them end on a block boundary once prefilled: their next token needs a new block
     running = [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in (49, 40, 33, 45)]
-    fast = cpu_decoder.max_rows()  # 16, or 1024 on AMX
+    fast = cpu_decoder.max_rows()  # 1024
     assert fast % 16 == 0
     prompt = torch.randint(100, 20000, (2 * fast + 12,), generator=gen).tolist()
     outs = []

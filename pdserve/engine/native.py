@@ -1,7 +1,7 @@
 """Small bfloat16 steps of Llama-style models on the CPU, one native call per decoder layer.
 
 `NativeDecoder` packs an `HFPagedModel`'s decoder layers for `kernels/cpu_decoder.c` and runs a step of up
-to `max_rows` rows (16 on AVX512-BF16, up to 1024 on AMX: `kernels/cpu_decoder.py`) through them, keeping from
+to `max_rows` rows (1024: `kernels/cpu_decoder.py`) through them, keeping from
 transformers only the embedding, the rotary tables, the final norm and the head.
 
 Which models: an architecture whose decoder layer is exactly pre-norm attention and a SiLU-gated MLP
