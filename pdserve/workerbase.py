@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import os
 import signal
@@ -170,6 +171,11 @@ class WorkerBase:
             register_runtime_metrics(self.registry, loop, lambda: self.nc)
             start_http_server(self.args.metrics_port, registry=self.registry)
         hb = asyncio.create_task(self._heartbeat())
+        # What is loaded by now (the model's modules, the tokenizer, calibration) lives as long as the process:
+        # frozen out of the collector's sight, a full collection in the middle of a step walks only what requests
+        # allocated (gc_collect_main was 3-4 % of a bfloat16 prompt step's CPU time, SmolLM2-135M, Zen 4).
+        gc.collect()
+        gc.freeze()
         # `pdserve up` waits for this line: this process (not an earlier one under the same id) takes work
         log.info("%s %s ready: model %s (%s), NATS %s%s", self.role, self.worker_id, self.model_name,
                  self.runner.layout.model_fingerprint, self.creds.url,
