@@ -2,32 +2,122 @@
 
 The parameters themselves (`SamplingParams`) are a plain type in `pdserve.basetypes`.
 
-Sampling is deterministic per (seed, position): the random draw for generated token i comes
-from a generator seeded with (seed, i), so a request gives the same text whichever worker —
-prefill for the first token, decode for the rest — draws it.
+Sampling is deterministic per (seed, position): the random draw for generated token i is a
+function of (seed, i) alone, so a request gives the same text whichever worker — prefill for the
+first token, decode for the rest — draws it.
+
+The noise of a position is counter-based (`kernels/cpu_sampling.c`: element j of it is a hash of the
+position's key and j, then -log(1 - u)), made natively where the kernel builds and with torch where it
+does not (the same uniforms; the log may differ in its last bit). A row whose distribution is the
+temperature-scaled softmax alone — no top-k, top-p or min-p — is drawn natively in one pass
+(`sample_rows`); the rest go through `spec_verify.process_logits` and the race in torch.
 """
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 
 from pdserve.basetypes import SamplingParams
-from pdserve.kernels.spec_verify import draw_randomness, process_logits
+from pdserve.kernels import cpu_sampling
+from pdserve.kernels.spec_verify import process_logits
+
+_MASK63 = (1 << 63) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def position_key(seed: int, position: int, stream: str = "") -> int:
+    """The 63-bit key of the draws at generated position `position` of a request seeded `seed`; `stream`
+    names an independent stream at the same position ("" = the token's noise)."""
+    digest = hashlib.blake2b(f"{seed}:{position}{':' + stream if stream else ''}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MASK63
 
 
 def position_generator(seed: int, position: int, stream: str = "") -> torch.Generator:
-    """The generator for the draws at generated position `position` of a request seeded `seed`.
+    """A torch generator for further draws at a position (`position_key`'s stream)."""
+    return torch.Generator().manual_seed(position_key(seed, position, stream))
 
-    `stream` names an independent stream at the same position ("" = the token's noise).
-    """
-    digest = hashlib.blake2b(f"{seed}:{position}{':' + stream if stream else ''}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+def _signed(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >> 63 else v
+
+
+def _srl(z: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 lanes (torch's >> is arithmetic)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+# `cpu_sampling.c`'s log constants (musl's logf): each exactly a float32
+_LG1, _LG2, _LG3, _LG4, _LN2_LO, _LN2_HI = (torch.tensor(float.fromhex(h), dtype=torch.float32) for h in (
+    "0x1.555554p-1", "0x1.999c26p-2", "0x1.23d3dcp-2", "0x1.f13c4cp-3", "0x1.2fefa2p-17", "0x1.62e3p-1"))
+
+
+def _log_positive(x: torch.Tensor) -> torch.Tensor:
+    """`cpu_sampling.c`'s `log_positive`, op for op in float32 (each torch op rounds once, as each C one does)."""
+    ix = x.view(torch.int32) + (0x3F800000 - 0x3F3504F3)
+    k = ((ix >> 23) - 0x7F).to(torch.float32)
+    f = ((ix & 0x007FFFFF) + 0x3F3504F3).view(torch.float32) - 1.0
+    s = f / (f + 2.0)
+    z = s * s
+    w = z * z
+    t1 = w * (_LG2 + w * _LG4)
+    t2 = z * (_LG1 + w * _LG3)
+    hfsq = (f * 0.5) * f
+    return s * (hfsq + (t2 + t1)) + k * _LN2_LO - hfsq + f + k * _LN2_HI
+
+
+def exp_noise_torch(key: int, n: int) -> torch.Tensor:
+    """`cpu_sampling.c`'s noise with torch lanes, bit for bit (wrapping int64 multiplication is two's complement;
+    the log is the kernel's, op for op): the fallback where the kernel is not built, and its reference in tests."""
+    z = torch.arange(1, n + 1, dtype=torch.int64) * _signed(_GOLDEN) + _signed(key)
+    z = (z ^ _srl(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _srl(z, 27)) * _signed(0x94D049BB133111EB)
+    z = z ^ _srl(z, 31)
+    one_minus_u = (16777216 - _srl(z, 40)).to(torch.float32) * (1.0 / 16777216.0)
+    return (-_log_positive(one_minus_u)).clamp_min_(torch.finfo(torch.float32).tiny)
 
 
 def position_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
     """Exp(1) noise `[vocab]` for generated position `position`: the one source of randomness per token."""
-    return draw_randomness(1, 0, vocab, generator=position_generator(seed, position))[1][0]
+    key = position_key(seed, position)
+    return cpu_sampling.exp_noise(key, vocab) if cpu_sampling.library() is not None else exp_noise_torch(key, vocab)
+
+
+def _plain(params: SamplingParams) -> bool:
+    """Whether a sampled row's distribution is the temperature-scaled softmax alone (no cut)."""
+    return params.temperature > 0 and not params.min_p and not params.top_k and params.top_p >= 1.0
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+                seeds: Sequence[int]) -> list[int]:
+    """Sampled (temperature > 0) rows `logits [rows, vocab]`, each at its own generated position under its own
+    seed → one token each: the race argmax(p / E), p the row's processed distribution. Rows with no cut go
+    natively in one pass where the kernel builds; the rest, and every row without it, through torch."""
+    rows, vocab = logits.shape
+    out: list[int | None] = [None] * rows
+    native = [i for i in range(rows) if _plain(params[i])] if cpu_sampling.library() is not None else []
+    if native:
+        try:
+            x = logits if len(native) == rows else logits[native]
+            drawn = cpu_sampling.race(x, torch.tensor([params[i].temperature for i in native]),
+                                      [position_key(seeds[i], positions[i]) for i in native])
+            for i, t in zip(native, drawn):
+                out[i] = t
+        except ValueError:  # a row without a finite logit: torch draws them all, as it would have
+            pass
+    rest = [i for i in range(rows) if out[i] is None]
+    if rest:
+        sp = [params[i] for i in rest]
+        min_p = torch.tensor([p.min_p for p in sp]) if any(p.min_p for p in sp) else None
+        probs = process_logits(logits[rest], torch.tensor([p.temperature for p in sp]),
+                               torch.tensor([p.top_k for p in sp], dtype=torch.int32),
+                               torch.tensor([p.top_p for p in sp]), min_p)
+        noise = torch.stack([position_noise(seeds[i], positions[i], vocab) for i in rest])
+        for i, t in zip(rest, (probs / noise).argmax(dim=-1).tolist()):
+            out[i] = t
+    return out
 
 
 def verification_randomness(seed: int, start: int, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,8 +155,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, position: int, see
     """
     if params.greedy:
         return int(torch.argmax(logits))
-    probs = processed_probs(logits.view(1, -1), params)[0]
-    return int(torch.argmax(probs / position_noise(seed, position, probs.numel())))
+    return sample_rows(logits.view(1, -1), [params], [position], [seed])[0]
 
 
 class TextStream:
