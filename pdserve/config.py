@@ -240,8 +240,9 @@ class PrefillConfig(WorkerConfig):
         None, ge=0, description="conditional disaggregation: offer a new prompt to its decode worker uncomputed "
                                 "(decode computes it inside its own steps) when at least this many prompt tokens "
                                 "wait here ahead of it and decode's own queue of such prompts is shorter; 0: never; "
-                                "default: 256 on a GPU, 0 on the CPU (there a decode step with a prompt chunk costs "
-                                "what the two cost apart: the TTFT it saves under load is paid in output rate)")
+                                "default: 256 on a GPU, 512 on a CPU whose steps run the native bfloat16 decoder "
+                                "(a decode step and a prompt chunk are one native forward there), 0 on other CPUs "
+                                "(there the two cost what they cost apart)")
     kv: KVSendConfig = Field(default_factory=KVSendConfig)
 
 
@@ -261,9 +262,10 @@ class DecodeConfig(WorkerConfig):
         True, description="on the CPU, keep up to two more copies of the weights that make small steps "
                           "(one row, speculative verification, small batches) cheaper (with --spec-calibrate, only those "
                           "measured faster here); off saves that memory (up to 2x the model's projection weights)")
-    local_prefill_chunk: int = Field(
-        64, ge=0, description="prompts prefill hands over uncomputed (its queue is long): most of their tokens "
-                              "computed in one decode step beside the running sequences (0: refuse such prompts)")
+    local_prefill_chunk: int | None = Field(
+        None, ge=0, description="prompts prefill hands over uncomputed (its queue is long): most of their tokens "
+                                "computed in one decode step beside the running sequences (0: refuse such prompts; "
+                                "default: 256 where steps run the native bfloat16 CPU decoder, else 64)")
     spec: SpeculationConfig = Field(default_factory=SpeculationConfig)
     kv: KVReceiveConfig = Field(default_factory=KVReceiveConfig)
 

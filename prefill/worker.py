@@ -87,6 +87,7 @@ LEASE_MIN_TOKENS = 64
 # How often a pre-positioning hint that waits for a busy co-located decode worker looks again.
 HINT_RECHECK_S = 0.05
 DEFER_QUEUE_TOKENS_GPU = 256  # --defer-queue-tokens on a GPU: a prompt behind one prefill chunk's worth goes to decode
+DEFER_QUEUE_TOKENS_NATIVE = 512  # … on a CPU whose steps run the native bfloat16 decoder: behind one full prefill step
 HANDOFF_REROUTES = 3  # offers to the model's queue group after the routed decode worker did not take one
 
 
@@ -169,12 +170,20 @@ class PrefillWorker(WorkerBase):
         self._offload_busy = False
         self._announced: list[str] = []  # cached block addresses, refreshed on the compute thread after each step
         self.lease = CpuLease(args.cpu_lease) if args.cpu_lease else None
-        # on the CPU (guidellm, 256-token prompts, SmolLM2 bf16, 2 Zen 4 cores, 5 runs each): TTFT p50 -27 % at
-        # concurrency 4 and -23 % at 16, output tok/s -11 % and -6 %: the cores are all busy, and a chunk computed
-        # at decode costs more than at prefill. A GPU's decode step is bound by reading the weights, which a
-        # chunk's compute rides along with.
-        self.defer_tokens = (args.defer_queue_tokens if args.defer_queue_tokens is not None
-                             else DEFER_QUEUE_TOKENS_GPU if self.runner.device.type == "cuda" else 0)
+        # A GPU's decode step is bound by reading the weights, which a chunk's compute rides along with. So is a
+        # CPU's where its steps run the native decoder (engine/native.py: up to 1024 rows, a prompt chunk at the
+        # projections' full rate, in the same forward as decode's rows): on 2 Zen 4 cores, SmolLM2 bf16, guidellm
+        # 256-token prompts, 2 rounds, output tok/s 60.2 / 119.4 / 136.1 at concurrency 1 / 4 / 16 against 58.3 /
+        # 106.4 / 119.0 with none deferred. Through transformers' forward (float32, no AVX512-BF16) a chunk beside
+        # decode's rows costs what the two cost apart, and the TTFT saved under load was paid in output rate
+        # (-11 % at concurrency 4): none deferred there.
+        if args.defer_queue_tokens is not None:
+            self.defer_tokens = args.defer_queue_tokens
+        elif self.runner.device.type == "cuda":
+            self.defer_tokens = DEFER_QUEUE_TOKENS_GPU
+        else:
+            native = getattr(self.engine, "native_rows", None)
+            self.defer_tokens = DEFER_QUEUE_TOKENS_NATIVE if native is not None and native() > 0 else 0
         r = self.registry
         self.m_lease = Counter("pdserve_prefill_cpu_lease_steps_total", "prompt steps run with an idle decode "
                                "worker's threads borrowed", registry=r)
