@@ -369,7 +369,7 @@ def print_table(results: dict[str, list[dict]], ours: str) -> None:
             spread = f"{r.get('output_tok_s_min', r['output_tok_s']):.1f}-{r.get('output_tok_s_max', r['output_tok_s']):.1f}"
             print(f"{sysname:<26} {r['concurrency']!s:>3} {r['output_tok_s']:>10.1f} {spread:>13} "
                   f"{r['ttft_p50_ms']:>12.0f} {r['itl_p50_ms']:>11.1f} {r['errored']:>7}")
-    for peer in peers:
+    for peer in peers if ours in results else []:  # --skip pdserve: the peers' rows alone
         print(f"\npdserve / {peer}:  (tok/s: higher is better; TTFT, ITL: lower is better)")
         for a, b in zip(results[ours], results[peer]):
             print(f"  c={a['concurrency']!s:>3}  tok/s {a['output_tok_s'] / b['output_tok_s']:.2f}x   "
