@@ -205,7 +205,8 @@ SPEC_SCHEMA = _obj({
         "deferQueueTokens": _i(0, description="A prompt arriving behind at least this many prompt tokens queued "
                                               "at its prefill worker goes to decode uncomputed, if decode's own "
                                               "queue of such prompts is shorter (0: every prompt is prefilled by "
-                                              "prefill). Default: 256 on GPUs, 0 on CPUs."),
+                                              "prefill). Default: 256 on GPUs, 512 on CPUs running "
+                                              "the native bfloat16 decoder, else 0."),
         "localPrefillChunk": _i(0, default=64, description="Most tokens of such a prompt one decode step computes "
                                                            "beside its running sequences (0: decode takes none)."),
     }, default={}, description="Conditional disaggregation: under a long prefill queue, decode's spare step time "
