@@ -230,3 +230,57 @@ def test_the_defaults_defer_where_a_chunk_rides_in_decode_s_native_step(model_di
     assert given.defer_tokens == 0
     given = DecodeWorker(load(DecodeConfig, [*common, "--no-spec-calibrate", "--local-prefill-chunk", "32"], environ={}))
     assert given.local_chunk == 32
+
+
+def test_a_prompt_left_queued_is_offered_again_once_per_step_the_last_first(model_dir):
+    """Prompts are offered to decode on arrival; one decode refused (its own queue was as long) stays queued, and
+    between two steps the prompt that would wait longest is offered again while enough is queued ahead of it:
+    one offer at a time, at most one per step, never a prompt already started (`PrefillWorker._reoffer`; the
+    offer itself, `_defer`, is recorded here instead of sent)."""
+    from pdserve.config import PrefillConfig, load
+    from pdserve.kvtransfer.protocol import PrefillRequest
+    from pdserve.prefill.worker import Job, PrefillWorker
+
+    worker = PrefillWorker(load(PrefillConfig, ["--model", str(model_dir), "--dtype", "float32", "--defer-queue-tokens",
+                                                "100", "--kv-capacity-bytes", str(64 << 20)], environ={}))
+    offered = []
+
+    async def record(job, ahead):
+        offered.append((job.seq_id, ahead))
+
+    worker._defer = record
+
+    def job(i: int, n: int = 80, choices: int = 1) -> Job:
+        req = PrefillRequest(request_id=f"r{i}", model=MODEL, prompt_token_ids=list(range(5, 5 + n)),
+                             sampling=SamplingParams(max_tokens=4, n=choices), seed=0, decode_worker_id="decode-0")
+        return Job(f"j{i}", req.prompt_token_ids, 0.0, req)
+
+    async def between_steps() -> None:
+        worker._reoffer()
+        await asyncio.sleep(0)  # the offer's task runs
+
+    async def scenario():
+        worker.jobs.extend([job(0), job(1), job(2, choices=2)])
+        worker.jobs[0].started = True
+        await between_steps()  # the last is not to be offered (two choices); the one before is, 80 tokens ahead: too few
+        assert offered == []
+        worker.jobs.append(job(3))
+        await between_steps()
+        assert offered == [("j3", 240)] and worker.jobs[-1].offering  # 80 + 80 + 80 ahead of it
+        worker.jobs[-1].offering = False  # refused: it stays
+        await between_steps()
+        assert len(offered) == 1  # not again in the same step
+        worker._steps += 1
+        worker.jobs[-1].started = True  # begun meanwhile: never offered; the last not begun has two choices
+        await between_steps()
+        assert len(offered) == 1
+        worker.jobs[-1].started = False
+        worker._steps += 1
+        worker.jobs[1].offering = True  # an offer is out: no second one
+        await between_steps()
+        assert len(offered) == 1
+        worker.jobs[1].offering = False
+        await between_steps()  # the next step's offer, of the same prompt, which still waits last
+        assert offered == [("j3", 240), ("j3", 240)]
+
+    asyncio.run(scenario())
