@@ -180,9 +180,8 @@ class DecodeWorker(WorkerBase):
         # rides in the same forward at the projections' full rate, and a larger one amortises the step's read of
         # the weights over more prompt tokens (SmolLM2 bf16, 2 Zen 4 cores, guidellm concurrency 16: 137 output
         # tok/s at 256 against 127 at 128); elsewhere a small one keeps the running sequences' ITL down.
-        native = getattr(self.engine, "native_rows", None)
         self.local_chunk = (args.local_prefill_chunk if args.local_prefill_chunk is not None
-                            else LOCAL_CHUNK_NATIVE if native is not None and native() > 0 else LOCAL_CHUNK_DEFAULT)
+                            else LOCAL_CHUNK_NATIVE if self.engine.native_rows() > 0 else LOCAL_CHUNK_DEFAULT)
         self.max_batch = args.max_batch
         self.preempted: deque[Sequence] = deque()
         # held from the first step after idle until idle again; a co-located prefill borrows it meanwhile
@@ -706,7 +705,7 @@ class DecodeWorker(WorkerBase):
             if local.key not in self.engine:
                 self.engine.start(local.key, local.offer.prompt_token_ids[:-1], reuse_prefix=False)
             fed = sum(len(t) for _, t in rows)
-            fast = self.engine.native_rows() if hasattr(self.engine, "native_rows") else 0
+            fast = self.engine.native_rows()
             if fed <= fast < fed + len(tokens):
                 # the step alone runs on the native decoder and with the chunk would not: on a CPU a mixed
                 # forward costs what the two cost apart, so the chunk goes on its own after (B=16 + 16

@@ -2,7 +2,7 @@
 
 Built like the attention kernel (`cpu_attention.build_library`) and loaded with ctypes; None where there is no
 C compiler or `PDSERVE_CPU_SAMPLING=0`: `pdserve.sampling` then computes the same noise with torch (the same
-uniforms, a log that may differ in its last bit) and draws with torch.
+bits: `exp_noise_torch`) and draws with torch.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ first token, decode for the rest — draws it.
 
 The noise of a position is counter-based (`kernels/cpu_sampling.c`: element j of it is a hash of the
 position's key and j, then -log(1 - u)), made natively where the kernel builds and with torch where it
-does not (the same uniforms; the log may differ in its last bit). A row whose distribution is the
+does not (the same bits: `exp_noise_torch` repeats the kernel's log op for op). A row whose distribution is the
 temperature-scaled softmax alone — no top-k, top-p or min-p — is drawn natively in one pass
 (`sample_rows`); the rest go through `spec_verify.process_logits` and the race in torch.
 """

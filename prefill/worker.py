@@ -182,8 +182,7 @@ class PrefillWorker(WorkerBase):
         elif self.runner.device.type == "cuda":
             self.defer_tokens = DEFER_QUEUE_TOKENS_GPU
         else:
-            native = getattr(self.engine, "native_rows", None)
-            self.defer_tokens = DEFER_QUEUE_TOKENS_NATIVE if native is not None and native() > 0 else 0
+            self.defer_tokens = DEFER_QUEUE_TOKENS_NATIVE if self.engine.native_rows() > 0 else 0
         self._steps = 0  # prefill steps computed
         self._reoffered_at = -1  # the step count at the last `_reoffer`: at most one per step
         r = self.registry

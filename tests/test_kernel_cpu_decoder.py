@@ -314,7 +314,7 @@ def test_native_steps_compute_the_same_on_any_thread_count(model_dir, projection
         runner.prefill("p2", [4])
         torch.set_num_threads(threads)
         try:
-            native = [b for b in steps if sum(len(t) for _, t in b) <= runner.native_rows()]  # AVX512: 16 rows
+            native = [b for b in steps if sum(len(t) for _, t in b) <= runner.native_rows()]  # 1024 rows
             logits = [torch.cat(runner.step(batch)) for batch in native]
             assert cpu_decoder.threads_in_use() == threads
         finally:

@@ -83,5 +83,8 @@ class DenseEngine:
         self._caches.pop(seq_id, None)
         self._reserved.pop(seq_id, None)
 
+    def native_rows(self) -> int:
+        return 0  # every step is transformers' forward
+
     def __contains__(self, seq_id) -> bool:
         return seq_id in self._caches

@@ -89,6 +89,10 @@ class Engine(Protocol):
         """Addresses of cached full blocks, most recently used first, at most `limit`."""
         ...
 
+    def native_rows(self) -> int:
+        """Most rows of a step that runs on the native CPU decoder (`engine.native`); 0 where none does."""
+        ...
+
 
 def create_engine(runner: ModelRunner, *, kv_capacity_bytes: int, kind: str = "auto", prefix_cache: bool = True,
                   small_step_weights: bool = True) -> Engine:
