@@ -350,9 +350,9 @@ class DecodeWorker(WorkerBase):
     # -- handoffs --------------------------------------------------------------------------
 
     async def _on_offer(self, msg) -> None:
-        def refuse(reason: str) -> HandoffReply:
+        def refuse(reason: str, level: int = logging.WARNING) -> HandoffReply:
             self.m_handoffs.labels("refused").inc()
-            log.warning("handoff refused: %s", reason)
+            log.log(level, "handoff refused: %s", reason)
             return HandoffReply(accepted=False, worker_id=self.worker_id, error=reason)
 
         try:
@@ -381,8 +381,15 @@ class DecodeWorker(WorkerBase):
                                          f"(utilisation {self.engine.utilization():.0%})").encode())
                 return
             if offer.kv_deferred:
+                try:  # a prompt of another model's shape: a deployment mistake, worth its warning
+                    self.runner.layout.check_matches(offer.layout)
+                except LayoutMismatch as e:
+                    await msg.respond(refuse(str(e)).encode())
+                    return
                 if why := self._local_refusal(offer, queued):
-                    await msg.respond(refuse(why).encode())
+                    # routine: prefill offers its queue's prompts (again once per step) and keeps what decode
+                    # would not compute sooner; the refusals are counted, not worth a warning each
+                    await msg.respond(refuse(why, logging.DEBUG).encode())
                     return
                 accepted = True
                 await msg.respond(HandoffReply(accepted=True, worker_id=self.worker_id).encode())
@@ -420,10 +427,6 @@ class DecodeWorker(WorkerBase):
             return "this worker takes no uncomputed prompts (--local-prefill-chunk 0)"
         if offer.sampling.n != 1 or len(offer.prompt_token_ids) < 2:
             return "an uncomputed prompt must have n = 1 and 2 or more tokens"
-        try:
-            self.runner.layout.check_matches(offer.layout)
-        except LayoutMismatch as e:
-            return str(e)
         if len(self.running) >= self.max_batch:
             return f"its steps are full ({len(self.running)} sequences running)"
         if queued + offer.num_tokens > offer.queue_ahead_tokens:

@@ -142,6 +142,8 @@ def test_decode_takes_an_uncomputed_prompt_only_while_its_own_queue_is_shorter(c
     reply, events = asyncio.run(_send(cluster, _uncomputed(model_dir, "uncomputed-short-queue", ids, ahead=len(ids) - 1)))
     assert not reply.accepted and events == []
     assert "no shorter than prefill's" in reply.error
+    log = cluster.log_dir / "decode-0.log"
+    assert "handoff refused: its queue" not in log.read_text()  # routine (prefill offers its queue every step)
 
     reply, events = asyncio.run(_send(cluster, _uncomputed(model_dir, "uncomputed-taken", ids, ahead=1000)))
     assert reply.accepted and reply.transfer_token is None  # nothing is sent: decode computes it
@@ -153,6 +155,8 @@ def test_decode_takes_an_uncomputed_prompt_only_while_its_own_queue_is_shorter(c
     wrong.layout = wrong.layout.model_copy(update={"model_fingerprint": "0123456789abcdef"})
     reply, events = asyncio.run(_send(cluster, wrong))
     assert not reply.accepted and "model_fingerprint: expected" in reply.error
+    warned = [ln for ln in log.read_text().splitlines() if "WARNING" in ln and "handoff refused" in ln]
+    assert any("model_fingerprint" in ln for ln in warned), warned  # a deployment mistake is a warning
 
 
 def test_a_cancel_frees_a_prompt_decode_was_computing(cluster, ports, model_dir, hf):
