@@ -10,7 +10,9 @@
  * one-row step does): float32 scores q . k as 16 independent lanes summed in a fixed order, times the
  * scale, an optional soft cap, the causal / sliding-window mask, a softmax over the visible keys (and an
  * optional sink logit), then the probability-weighted sum of the values in key order. No fast-math: the
- * compiler vectorises the lanes, not the reductions.
+ * compiler vectorises the lanes, not the reductions. The native decoder's rows (`pdserve_paged_attention_bq`:
+ * bfloat16 queries over a bfloat16 pool) take their scores from `vdpbf16ps` instead, each lane the sum of
+ * its pairs of dims, under the same row-count rule.
  *
  * Built once per machine by kernels/cpu_attention.py (cc -O3 -march=native), called through ctypes.
  */
@@ -222,6 +224,85 @@ static void value_rows_avx512(const void *kv, int bf16, int64_t head_off, const 
     else if (D == 128) value_rows_v(VALUE_ARGS, 8);
     else value_rows_v(VALUE_ARGS, D / 16);
 }
+
+#if defined(__AVX512BF16__)
+/* `score_rows_v` for bfloat16 queries over a bfloat16 pool (the native decoder's rows: q is the rotary's
+ * bfloat16 output), with `vdpbf16ps`: a key row is two registers as stored (no widening) and each query head
+ * takes D / 32 dot-product instructions per key where the float32 path took D / 16 FMAs plus two ops per 16
+ * elements to widen, so the scores stop being the part of a decode step that cannot keep up with memory.
+ * A key's lanes each hold the sum of its pairs of dims (the instruction's order), then the lanes are reduced
+ * in _mm512_reduce_add_ps's order, in a run of 16 keys (`reduce16`) and one at a time alike: a score does
+ * not depend on the run it falls in, so a k-row verification still computes each row as a one-row step. */
+static inline __attribute__((always_inline)) void score_rows_dp_v(
+        const uint16_t *qb, int64_t ldq, const void *kv, int64_t head_off, const int64_t *offs, int first, int len,
+        int n, int q0, int h, int group, int D, float scale, int window, float softcap, float *scores, const int P) {
+    const int keys = len - first;
+    const uint16_t *pool = (const uint16_t *)kv;
+    __m512i kbuf[16 * (MAX_VEC / 2)];
+    int c = 0;
+    for (; c + 16 <= keys; c += 16) {
+        for (int t = c + 16; t < c + 32 && t < keys; t++) prefetch_row(kv, 1, head_off + offs[t], D);
+        for (int t = 0; t < 16; t++)
+            for (int i = 0; i < P; i++) kbuf[t * P + i] = _mm512_loadu_si512(pool + head_off + offs[c + t] + 32 * i);
+        for (int j = 0; j < n; j++) {
+            const int qpos = len - n + j;
+            if (first + c > qpos) { /* the whole run lies past this row (a prompt chunk's causal mask) */
+                for (int g = 0; g < group; g++)
+                    for (int t = 0; t < 16; t++) scores[(int64_t)(j * group + g) * keys + c + t] = -INFINITY;
+                continue;
+            }
+            for (int g = 0; g < group; g++) {
+                const uint16_t *qr = qb + (int64_t)(q0 + j) * ldq + (int64_t)(h * group + g) * D;
+                __m512i qv[MAX_VEC / 2];
+                __m512 acc[16];
+                for (int i = 0; i < P; i++) qv[i] = _mm512_loadu_si512(qr + 32 * i);
+                for (int t = 0; t < 16; t++) {
+                    __m512 x = _mm512_setzero_ps();
+                    for (int i = 0; i < P; i++) x = _mm512_dpbf16_ps(x, (__m512bh)qv[i], (__m512bh)kbuf[t * P + i]);
+                    acc[t] = x;
+                }
+                float *row = scores + (int64_t)(j * group + g) * keys + c;
+                _mm512_storeu_ps(row, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+                for (int t = 0; t < 16; t++) {
+                    const int pos = first + c + t;
+                    if (!(pos <= qpos && (window <= 0 || pos > qpos - window))) row[t] = -INFINITY;
+                    else if (softcap > 0.0f) row[t] = tanhf(row[t] / softcap) * softcap;
+                }
+            }
+        }
+    }
+    for (; c < keys; c++) {
+        const int pos = first + c;
+        __m512i k[MAX_VEC / 2];
+        for (int i = 0; i < P; i++) k[i] = _mm512_loadu_si512(pool + head_off + offs[c] + 32 * i);
+        for (int j = 0; j < n; j++) {
+            const int qpos = len - n + j;
+            const int visible = pos <= qpos && (window <= 0 || pos > qpos - window);
+            for (int g = 0; g < group; g++) {
+                float x = -INFINITY;
+                if (visible) {
+                    const uint16_t *qr = qb + (int64_t)(q0 + j) * ldq + (int64_t)(h * group + g) * D;
+                    __m512 a = _mm512_setzero_ps();
+                    for (int i = 0; i < P; i++)
+                        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qr + 32 * i), (__m512bh)k[i]);
+                    x = _mm512_reduce_add_ps(a) * scale;
+                    if (softcap > 0.0f) x = tanhf(x / softcap) * softcap;
+                }
+                scores[(int64_t)(j * group + g) * keys + c] = x;
+            }
+        }
+    }
+}
+
+static void score_rows_dp(const uint16_t *qb, int64_t ldq, const void *kv, int64_t head_off, const int64_t *offs,
+                          int first, int len, int n, int q0, int h, int group, int D, float scale, int window,
+                          float softcap, float *scores) {
+#define DP_ARGS qb, ldq, kv, head_off, offs, first, len, n, q0, h, group, D, scale, window, softcap, scores
+    if (D == 64) score_rows_dp_v(DP_ARGS, 2);
+    else if (D == 128) score_rows_dp_v(DP_ARGS, 4);
+    else score_rows_dp_v(DP_ARGS, D / 32);
+}
+#endif
 #endif
 
 /* A score row's max and sum: 16 lanes, then the lanes reduced (a fixed order for a given length, so a row's
@@ -277,11 +358,11 @@ static void keep(float **slot, size_t *slot_cap, float *buf, size_t cap) {
  * Returns 0, or 1 + the index of a sequence whose table names a block outside 0..num_blocks-1 (out untouched
  * for it), or -1 when memory for the scores could not be had.
  */
-int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16, int64_t s_kv, int64_t s_head,
-                            int64_t s_block, int64_t s_tok, int64_t num_blocks, const int32_t *block_tables,
-                            int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start, int S,
-                            int q_heads, int kv_heads, int D, int block_size, float scale, int window,
-                            float softcap, const float *sinks) {
+static int paged_attention(const float *q, const uint16_t *qb, int64_t ldq, float *out, const void *kv, int bf16,
+                           int64_t s_kv, int64_t s_head, int64_t s_block, int64_t s_tok, int64_t num_blocks,
+                           const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                           const int32_t *query_start, int S, int q_heads, int kv_heads, int D, int block_size,
+                           float scale, int window, float softcap, const float *sinks) {
     const int group = q_heads / kv_heads;
     float *row = malloc((size_t)D * sizeof(float));
     float *scores = NULL, *acc = NULL;
@@ -340,6 +421,12 @@ int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16
         for (int c = 0; c < keys; c++) offs[c] = row_at(table, first + c, block_size, s_block, s_tok);
         for (int h = 0; h < kv_heads; h++) {
             /* scores[r][c], r = j * group + g: query row j, query head h * group + g */
+#if defined(__AVX512BF16__)
+            if (qb && bf16 && D % 32 == 0 && D / 16 <= MAX_VEC) {
+                score_rows_dp(qb, ldq, kv, h * s_head, offs, first, len, n, q0, h, group, D, scale, window, softcap,
+                              scores);
+            } else
+#endif
 #if defined(__AVX512F__)
             if (D % 16 == 0 && D / 16 <= MAX_VEC) {
                 score_rows_avx512(q, kv, bf16, h * s_head, offs, first, len, n, q0, q_heads, h, group, D, scale, window,
@@ -407,4 +494,24 @@ int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16
     free(offs);
     free(visible);
     return rc;
+}
+
+int pdserve_paged_attention(const float *q, float *out, const void *kv, int bf16, int64_t s_kv, int64_t s_head,
+                            int64_t s_block, int64_t s_tok, int64_t num_blocks, const int32_t *block_tables,
+                            int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start, int S,
+                            int q_heads, int kv_heads, int D, int block_size, float scale, int window,
+                            float softcap, const float *sinks) {
+    return paged_attention(q, NULL, 0, out, kv, bf16, s_kv, s_head, s_block, s_tok, num_blocks, block_tables, bt_stride,
+                           seq_lens, query_start, S, q_heads, kv_heads, D, block_size, scale, window, softcap, sinks);
+}
+
+/* The same with the queries also in bfloat16 (`qb`: row r's q_heads * D elements at qb + r * ldq, the same
+ * values as `q`): over a bfloat16 pool with D a multiple of 32, the scores take `score_rows_dp`. */
+int pdserve_paged_attention_bq(const float *q, const uint16_t *qb, int64_t ldq, float *out, const void *kv, int bf16,
+                               int64_t s_kv, int64_t s_head, int64_t s_block, int64_t s_tok, int64_t num_blocks,
+                               const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                               const int32_t *query_start, int S, int q_heads, int kv_heads, int D, int block_size,
+                               float scale, int window, float softcap, const float *sinks) {
+    return paged_attention(q, qb, ldq, out, kv, bf16, s_kv, s_head, s_block, s_tok, num_blocks, block_tables, bt_stride,
+                           seq_lens, query_start, S, q_heads, kv_heads, D, block_size, scale, window, softcap, sinks);
 }

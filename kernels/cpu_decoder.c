@@ -652,10 +652,13 @@ static void attn_item(const void *ctx, int i) {
     const struct attn_item it = t->items[i];
     const int s = it.seq, q0 = t->query_start[s], n = t->query_start[s + 1] - q0, len = t->seq_lens[s], D = t->head_dim;
     if (it.tile < 0) {
-        const int rc = pdserve_paged_attention(t->qf, t->of, t->kv, 1, t->s_kv, t->s_head, t->s_block, t->s_tok,
-                                               t->num_blocks, t->block_tables + (int64_t)s * t->bt_stride, t->bt_stride,
-                                               t->seq_lens + s, t->query_start + s, 1, t->q_heads, t->kv_heads, D,
-                                               t->block_size, t->scale, 0, 0.0f, NULL);
+        /* q also as the rotary left it, in bfloat16 (the first nq elements of each qkv row): the scores take
+         * `vdpbf16ps` on the stored keys */
+        const int rc = pdserve_paged_attention_bq(t->qf, t->qkv, t->nqkv, t->of, t->kv, 1, t->s_kv, t->s_head,
+                                                  t->s_block, t->s_tok, t->num_blocks,
+                                                  t->block_tables + (int64_t)s * t->bt_stride, t->bt_stride,
+                                                  t->seq_lens + s, t->query_start + s, 1, t->q_heads, t->kv_heads, D,
+                                                  t->block_size, t->scale, 0, 0.0f, NULL);
         if (rc) atomic_store(&t->rc, rc == 1 ? 1 + s : rc);
         return;
     }

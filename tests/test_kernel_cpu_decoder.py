@@ -324,3 +324,24 @@ def test_native_steps_compute_the_same_on_any_thread_count(model_dir, projection
     for logits, kv in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0][0], logits))
         assert torch.equal(results[0][1], kv)
+
+
+@needs_native
+def test_a_native_verification_row_is_bit_for_bit_the_one_row_step_at_its_position(model_dir):
+    """Speculation's k + 1 rows of one sequence are scored as the one-row steps they stand for: the native
+    layer's decode attention (bfloat16 queries, `vdpbf16ps` scores) computes a key's score the same whether it
+    falls in a full run of 16 keys or in the run's tail, so accepting a draft never changes a token. Contexts
+    that put the rows on both sides of a 16-key boundary, and one well past it."""
+    runner = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False)
+    assert runner.model.native is not None
+    gen = torch.Generator().manual_seed(5)
+    draft = torch.randint(100, 20000, (7,), generator=gen).tolist()
+    for n in (13, 45, 250):
+        context = torch.randint(100, 20000, (n,), generator=gen).tolist()
+        runner.prefill("s", context)
+        one = [runner.step([("s", [t])])[0][-1].clone() for t in draft]
+        runner.rollback("s", n)
+        (rows,) = runner.step([("s", draft)])
+        for j, expected in enumerate(one):
+            assert torch.equal(rows[j], expected), f"context {n}, row {j}"
+        runner.free("s")
