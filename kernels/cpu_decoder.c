@@ -40,6 +40,17 @@
 
 typedef uint16_t bf16;
 
+/* A spin-wait's pause: the instruction for it where there is one. immintrin.h (which declares _mm_pause) is
+ * included above only for AVX-512 builds, and an undeclared _mm_pause compiled to a call of a symbol no library
+ * has: the .so then failed to load on every CPU without AVX-512. */
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 static inline float f32(bf16 h) {
     union { uint32_t u; float f; } v = {(uint32_t)h << 16};
     return v.f;
@@ -375,7 +386,7 @@ static void *helper_main(void *arg) {
         if (T_GEN(t) == seen) {
             const uint64_t until = now_ns() + SPIN_NS;
             for (int spins = 0; T_GEN(t) == seen; spins++) {
-                _mm_pause();
+                cpu_relax();
                 if ((spins & 255) == 255 && now_ns() > until) {
                     atomic_fetch_add(&pool.sleepers, 1);
                     const uint32_t w = atomic_load(&pool.wake);
@@ -444,7 +455,7 @@ static void run_items(item_fn fn, const void *ctx, int items) {
     /* the rest are items a helper began; one the scheduler preempted (a client, the front) may be queued on
      * this very core: after a short spin, yield to it */
     for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < items; spins++) {
-        _mm_pause();
+        cpu_relax();
         if (spins > 2000) sched_yield();
     }
 }
