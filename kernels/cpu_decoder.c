@@ -37,6 +37,9 @@
 #include <signal.h>
 #include <sched.h>
 #include <limits.h>
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef uint16_t bf16;
 
@@ -143,6 +146,107 @@ static void gemv(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, in
             default: gemv_tile(xr, ldx, packed, n, k, bias, yr, ldy, g, 8); break;
             }
         }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_BF16_GEMV 1
+/* x86-64-v3 (AVX2 + FMA: Zen 3 and older, client CPUs, pre-Cooper Lake Xeons) over the same packed weights:
+ * each 32-bit lane of a packed pair holds one output's two bfloat16 weights, which widen to float32 with one
+ * shift (the even input's) and one mask (the odd's), so the weights still stream as bfloat16, half the bytes
+ * of a float32 copy. Each output adds its two products per pair as vdpbf16ps defines it: the odd input's, then
+ * the even's, each product exact in float32 and each sum one FMA's rounding. */
+static inline __m256 widen_even(__m256i u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
+static inline __m256 widen_odd(__m256i u) { return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u))); }
+
+/* y[0][o] for the 32 outputs of group g, one row (decode): the group's weights one stream, 4 accumulators */
+static void gemv_row(const bf16 *x, const bf16 *packed, int n, int k, const bf16 *bias, bf16 *y, int g) {
+    const int k2 = k / 2;
+    __m256 acc[4];
+    for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
+    const bf16 *wp = packed + (size_t)g * k2 * 64;
+    for (int p = 0; p < k2; p++) {
+        const __m256 xe = _mm256_set1_ps(f32(x[2 * p])), xo = _mm256_set1_ps(f32(x[2 * p + 1]));
+        for (int j = 0; j < 4; j++) {
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(wp + (size_t)p * 64 + j * 16));
+            acc[j] = _mm256_fmadd_ps(xo, widen_odd(u), acc[j]);
+            acc[j] = _mm256_fmadd_ps(xe, widen_even(u), acc[j]);
+        }
+    }
+    float out[32];
+    for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+    const int o0 = g * 32, m = n - o0 < 32 ? n - o0 : 32;
+    for (int o = 0; o < m; o++) y[o0 + o] = round_bf16(out[o] + (bias ? f32(bias[o0 + o]) : 0.0f));
+}
+
+/* y[r][o] for 16 outputs (half `half` of group g) and rows < ROWS <= 4, x already widened to float32 (xf, row
+ * stride k): 8 accumulators, 4 widened weights, and activations broadcast straight from memory (load ports,
+ * not the vector pipes the FMAs need) */
+static inline __attribute__((always_inline)) void gemv_tile(const float *xf, int k, const bf16 *packed, int n,
+                                                            const bf16 *bias, bf16 *y, int ldy, int g, int half,
+                                                            const int ROWS) {
+    const int k2 = k / 2;
+    __m256 acc[4][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const bf16 *wp = packed + (size_t)g * k2 * 64 + half * 32;
+    for (int p = 0; p < k2; p++) {
+        const __m256i u0 = _mm256_loadu_si256((const __m256i *)(wp + (size_t)p * 64));
+        const __m256i u1 = _mm256_loadu_si256((const __m256i *)(wp + (size_t)p * 64 + 16));
+        const __m256 o0 = widen_odd(u0), e0 = widen_even(u0), o1 = widen_odd(u1), e1 = widen_even(u1);
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 xo = _mm256_broadcast_ss(xf + (size_t)r * k + 2 * p + 1);
+            acc[r][0] = _mm256_fmadd_ps(xo, o0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xo, o1, acc[r][1]);
+            const __m256 xe = _mm256_broadcast_ss(xf + (size_t)r * k + 2 * p);
+            acc[r][0] = _mm256_fmadd_ps(xe, e0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xe, e1, acc[r][1]);
+        }
+    }
+    float out[4][16];
+    for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(out[r], acc[r][0]), _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+    const int o0 = g * 32 + half * 16, m = n - o0 < 16 ? n - o0 : 16;
+    for (int r = 0; r < ROWS; r++)
+        for (int o = 0; o < m; o++)
+            y[(size_t)r * ldy + o0 + o] = round_bf16(out[r][o] + (bias ? f32(bias[o0 + o]) : 0.0f));
+}
+
+static __thread float *tl_xf;
+static __thread size_t tl_xf_cap;
+
+/* y = x . W^T for `rows` rows and the outputs of groups g0..g1-1. One row streams each group once
+ * (`gemv_row`); more rows go in passes of 4, each pass's activations widened to float32 once, each group's
+ * weights from memory once and from cache for further passes. Every output sums its pairs in input order with
+ * the same FMAs on either path, so the row count never changes a result. */
+static void gemv(const bf16 *x, int ldx, int rows, const bf16 *packed, int n, int k, const bf16 *bias, bf16 *y,
+                 int ldy, int g0, int g1) {
+    if (rows == 1) {
+        for (int g = g0; g < g1; g++) gemv_row(x, packed, n, k, bias, y, g);
+        return;
+    }
+    const size_t need = (size_t)4 * k;
+    if (need > tl_xf_cap) {
+        float *buf = realloc(tl_xf, need * sizeof(float));
+        if (!buf) { /* no memory for the widened rows: one row at a time, the same sums */
+            for (int r = 0; r < rows; r++)
+                for (int g = g0; g < g1; g++) gemv_row(x + (size_t)r * ldx, packed, n, k, bias, y + (size_t)r * ldy, g);
+            return;
+        }
+        tl_xf = buf, tl_xf_cap = need;
+    }
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+        const int m = rows - r0 < 4 ? rows - r0 : 4;
+        for (int r = 0; r < m; r++)
+            for (int i = 0; i < k; i++) tl_xf[(size_t)r * k + i] = f32(x[(size_t)(r0 + r) * ldx + i]);
+        bf16 *yr = y + (size_t)r0 * ldy;
+        for (int g = g0; g < g1; g++)
+            for (int half = 0; half < 2; half++) {
+                if (g * 32 + half * 16 >= n) break;
+                switch (m) {
+                case 1: gemv_tile(tl_xf, k, packed, n, bias, yr, ldy, g, half, 1); break;
+                case 2: gemv_tile(tl_xf, k, packed, n, bias, yr, ldy, g, half, 2); break;
+                case 3: gemv_tile(tl_xf, k, packed, n, bias, yr, ldy, g, half, 3); break;
+                default: gemv_tile(tl_xf, k, packed, n, bias, yr, ldy, g, half, 4); break;
+                }
+            }
+    }
 }
 #else
 #define HAVE_BF16_GEMV 0
@@ -506,11 +610,23 @@ static void project(const bf16 *x, int ldx, int rows, const bf16 *packed, int n,
 
 int pdserve_bf16_gemv_available(void) { return HAVE_BF16_GEMV; }
 
+/* The instruction set this build's projections run on: "amx", "avx512-bf16", "avx2-fma", or "" (none). */
+const char *pdserve_native_isa(void) {
+#if defined(__AVX512BF16__)
+    return pdserve_use_amx(-1) ? "amx" : "avx512-bf16";
+#elif HAVE_BF16_GEMV
+    return "avx2-fma";
+#else
+    return "";
+#endif
+}
+
 void pdserve_bf16_gemv(const bf16 *x, int rows, const bf16 *packed, int n, int k, const bf16 *bias, bf16 *y) {
     project(x, k, rows, packed, n, k, bias, y, n);
 }
 
 #if HAVE_BF16_GEMV
+#if defined(__AVX512BF16__)
 /* ---- elementwise, 16 lanes at a time: every product and sum rounded to bfloat16 where transformers'
  * bfloat16 tensor ops round it (vcvtneps2bf16 rounds to nearest even, as torch does). ---------------------- */
 
@@ -586,6 +702,74 @@ static void silu_row(const bf16 *g, const bf16 *u, int n, bf16 *act) {
     }
 }
 
+
+/* a row widened to float32, and float32 rounded to bfloat16 */
+static void widen_row(const bf16 *x, float *y, int n) {
+    for (int j = 0; j < n; j += 16) _mm512_storeu_ps(y + j, load_bf16(x + j, tail_mask(n - j)));
+}
+
+static void round_row(const float *x, bf16 *y, int n) {
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 m = tail_mask(n - j);
+        store_bf16(y + j, m, _mm512_maskz_loadu_ps(m, x + j));
+    }
+}
+
+#else
+/* ---- elementwise, portable C the compiler vectorises: the same roundings as the AVX-512 passes above, and
+ * the norm's sum of squares in their order (16 lanes of FMAs, then the lanes added as a tree: i + 8, i + 4,
+ * i + 2, then the last two), so the two builds normalise a row to the same bits. ------------------------ */
+
+static void rms_norm_row(const bf16 *x, const bf16 *w, float eps, int h, bf16 *y) {
+    float ss[16] = {0};
+    int i = 0;
+    for (; i + 16 <= h; i += 16)
+        for (int l = 0; l < 16; l++) ss[l] = fmaf(f32(x[i + l]), f32(x[i + l]), ss[l]);
+    for (int l = 0; i + l < h; l++) ss[l] = fmaf(f32(x[i + l]), f32(x[i + l]), ss[l]);
+    for (int w2 = 8; w2 >= 2; w2 /= 2)
+        for (int l = 0; l < w2; l++) ss[l] += ss[l + w2];
+    const float inv = 1.0f / sqrtf((ss[0] + ss[1]) / (float)h + eps);
+#pragma omp simd
+    for (int j = 0; j < h; j++) y[j] = round_bf16(f32(w[j]) * f32(round_bf16(f32(x[j]) * inv)));
+}
+
+static void residual_row(bf16 *h, const bf16 *p, int n) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) h[i] = round_bf16(f32(h[i]) + f32(p[i]));
+}
+
+static void rotary(bf16 *x, const bf16 *cos, const bf16 *sin, int d) {
+    const int half = d / 2;
+    bf16 tmp[512];
+    memcpy(tmp, x, (size_t)d * sizeof(bf16));
+    for (int i = 0; i < d; i++) {
+        const bf16 rot = i < half ? (bf16)(tmp[i + half] ^ 0x8000u) : tmp[i - half];
+        x[i] = add_bf16(mul_bf16(tmp[i], cos[i]), mul_bf16(rot, sin[i]));
+    }
+}
+
+static void silu_row(const bf16 *g, const bf16 *u, int n, bf16 *act) {
+    float v[16] __attribute__((aligned(64)));
+    for (int i = 0; i < n; i += 16) {
+        const int m = n - i < 16 ? n - i : 16;
+        for (int j = 0; j < 16; j++) v[j] = j < m ? f32(g[i + j]) : 0.0f;
+#pragma omp simd simdlen(8) aligned(v : 64)
+        for (int j = 0; j < 16; j++) v[j] = v[j] / (1.0f + expf(-v[j]));
+        for (int j = 0; j < m; j++) act[i + j] = round_bf16(f32(round_bf16(v[j])) * f32(u[i + j]));
+    }
+}
+
+static void widen_row(const bf16 *x, float *y, int n) {
+#pragma omp simd
+    for (int j = 0; j < n; j++) y[j] = f32(x[j]);
+}
+
+static void round_row(const float *x, bf16 *y, int n) {
+#pragma omp simd
+    for (int j = 0; j < n; j++) y[j] = round_bf16(x[j]);
+}
+#endif
+
 /* ---- the layer --------------------------------------------------------------------------------------------- */
 
 struct layer_weights {
@@ -594,8 +778,9 @@ struct layer_weights {
 
 #define ROWS_PER_ITEM 4 /* elementwise items: a few rows each (a row is a microsecond or less) */
 #define CHUNK_MIN_ROWS 16 /* a sequence with more query rows than this takes the prompt-chunk attention kernel */
+#define TILE_ROWS 16 /* query rows per item of the decode kernel */
 
-struct attn_item { int seq, head, tile; }; /* tile < 0: the sequence's whole (decode) attention */
+struct attn_item { int seq, head, tile; }; /* head < 0: rows [TILE_ROWS * tile, + TILE_ROWS) by the decode kernel */
 
 struct layer_task {
     bf16 *h;
@@ -631,7 +816,7 @@ static void rope_item(const void *ctx, int i) {
         bf16 *row = t->qkv + (size_t)r * t->nqkv;
         const bf16 *c = t->cos + (size_t)r * D, *s = t->sin + (size_t)r * D;
         for (int hd = 0; hd < t->q_heads + t->kv_heads; hd++) rotary(row + (size_t)hd * D, c, s, D);
-        for (int j = 0; j < t->nq; j += 16) _mm512_storeu_ps(t->qf + (size_t)r * t->nq + j, load_bf16(row + j, tail_mask(t->nq - j)));
+        widen_row(row, t->qf + (size_t)r * t->nq, t->nq);
         const int64_t slot = t->slots[r], blk = slot / t->block_size, off = slot % t->block_size;
         for (int g = 0; g < t->kv_heads; g++) {
             bf16 *kdst = t->kv + blk * t->s_block + g * t->s_head + off * t->s_tok;
@@ -647,32 +832,42 @@ static void pack_item(const void *ctx, int i) {
     const int s = i / t->kv_heads, h = i % t->kv_heads;
     uint8_t *buf = t->heads[i];
     if (!buf) return;
+#if defined(HAVE_BF16_DOT)
     const int len = t->seq_lens[s], D = t->head_dim;
     const int32_t *table = t->block_tables + (int64_t)s * t->bt_stride;
     const size_t kp_bytes = (size_t)(len + 15) / 16 * 16 * (D / 2) * sizeof(uint32_t);
     pack_keys(t->kv, (int64_t)h * t->s_head, table, len, D, t->block_size, t->s_block, t->s_tok, (uint32_t *)buf);
     widen_values(t->kv, t->s_kv + (int64_t)h * t->s_head, table, len, D, t->block_size, t->s_block, t->s_tok,
                  (float *)(buf + kp_bytes));
+#else
+    (void)s, (void)h;
+#endif
 }
 
+#if defined(HAVE_BF16_DOT)
 static __thread void *tl_chunk;
 static __thread size_t tl_chunk_cap;
+#endif
 
 static void attn_item(const void *ctx, int i) {
     struct layer_task *t = (struct layer_task *)ctx;
     const struct attn_item it = t->items[i];
     const int s = it.seq, q0 = t->query_start[s], n = t->query_start[s + 1] - q0, len = t->seq_lens[s], D = t->head_dim;
-    if (it.tile < 0) {
-        /* q also as the rotary left it, in bfloat16 (the first nq elements of each qkv row): the scores take
-         * `vdpbf16ps` on the stored keys */
+    if (it.head < 0) {
+        /* rows a..b-1 of the sequence: a sequence of its own, ending at row b - 1's position. q also as the rotary
+         * left it, in bfloat16 (the first nq elements of each qkv row): the scores take `vdpbf16ps` on the
+         * stored keys where the CPU has it */
+        const int a = it.tile * TILE_ROWS, b = a + TILE_ROWS < n ? a + TILE_ROWS : n;
+        const int32_t rows[2] = {q0 + a, q0 + b}, seen = len - n + b;
         const int rc = pdserve_paged_attention_bq(t->qf, t->qkv, t->nqkv, t->of, t->kv, 1, t->s_kv, t->s_head,
                                                   t->s_block, t->s_tok, t->num_blocks,
                                                   t->block_tables + (int64_t)s * t->bt_stride, t->bt_stride,
-                                                  t->seq_lens + s, t->query_start + s, 1, t->q_heads, t->kv_heads, D,
+                                                  &seen, rows, 1, t->q_heads, t->kv_heads, D,
                                                   t->block_size, t->scale, 0, 0.0f, NULL);
         if (rc) atomic_store(&t->rc, rc == 1 ? 1 + s : rc);
         return;
     }
+#if defined(HAVE_BF16_DOT)
     const size_t need = chunk_scratch_bytes(len, t->q_heads / t->kv_heads, D);
     if (need > tl_chunk_cap) {
         free(tl_chunk);
@@ -684,14 +879,12 @@ static void attn_item(const void *ctx, int i) {
     const size_t kp_bytes = (size_t)(len + 15) / 16 * 16 * (D / 2) * sizeof(uint32_t);
     chunk_tile(t->qkv + (size_t)q0 * t->nqkv, t->nqkv, t->of + (size_t)q0 * t->nq, t->nq, (const uint32_t *)buf,
                (const float *)(buf + kp_bytes), len, n, t->q_heads, t->kv_heads, D, t->scale, it.head, it.tile, tl_chunk);
+#endif
 }
 
 static void round_item(const void *ctx, int i) {
     const struct layer_task *t = ctx;
-    FOR_ROWS(t, i, r) for (int j = 0; j < t->nq; j += 16) {
-        const __mmask16 m = tail_mask(t->nq - j);
-        store_bf16(t->attn + (size_t)r * t->nq + j, m, _mm512_maskz_loadu_ps(m, t->of + (size_t)r * t->nq + j));
-    }
+    FOR_ROWS(t, i, r) round_row(t->of + (size_t)r * t->nq, t->attn + (size_t)r * t->nq, t->nq);
 }
 
 static void resid_norm2_item(const void *ctx, int i) {
@@ -730,20 +923,28 @@ static int grow(void **buf, size_t *cap, size_t need) {
     return 0;
 }
 
-/* Fill t->items (and t->heads): chunk sequences' tiles, largest (latest) first, then decode sequences. */
+/* Fill t->items (and t->heads): chunk sequences' tiles, largest (latest) first, then decode sequences. Built
+ * without the chunk kernel, a chunk's tiles are `TILE_ROWS` items of the decode kernel (its rows computed as
+ * whole-sequence calls compute them, so a prompt's logits do not depend on how it was split or cached). */
 static int plan_attention(struct layer_task *t, int S, int *n_items, int *n_chunk) {
+#if defined(HAVE_BF16_DOT)
     const int D = t->head_dim, chunks_ok = D % 32 == 0 && D <= MAX_D;
+#else
+    const int chunks_ok = 0;
+#endif
     size_t items = 0, bytes = 0;
     int chunk = 0;
     for (int s = 0; s < S; s++) {
         const int n = t->query_start[s + 1] - t->query_start[s];
         if (n <= 0) continue;
         if (chunks_ok && n > CHUNK_MIN_ROWS) {
+#if defined(HAVE_BF16_DOT)
             items += (size_t)t->kv_heads * ((n + TQ - 1) / TQ);
             bytes += (size_t)t->kv_heads * chunk_head_bytes(t->seq_lens[s], D);
+#endif
             chunk++;
         } else {
-            items++;
+            items += (size_t)(n + TILE_ROWS - 1) / TILE_ROWS;
         }
     }
     if (grow((void **)&kept_items, &kept_items_cap, (items + 1) * sizeof(struct attn_item)) ||
@@ -752,8 +953,10 @@ static int plan_attention(struct layer_task *t, int S, int *n_items, int *n_chun
         return -1;
     t->items = kept_items;
     t->heads = kept_head_ptrs;
+#if defined(HAVE_BF16_DOT)
     uint8_t *base = (uint8_t *)(((uintptr_t)kept_heads + 63) & ~(uintptr_t)63);
     size_t at = 0;
+#endif
     int k = 0;
     for (int s = 0; s < S; s++) {
         const int n = t->query_start[s + 1] - t->query_start[s], len = t->seq_lens[s];
@@ -762,13 +965,17 @@ static int plan_attention(struct layer_task *t, int S, int *n_items, int *n_chun
         const int32_t *table = t->block_tables + (int64_t)s * t->bt_stride;
         for (int b = 0; b <= (len - 1) / t->block_size; b++)
             if (table[b] < 0 || table[b] >= t->num_blocks) return 1 + s;
+#if defined(HAVE_BF16_DOT)
         for (int h = 0; h < t->kv_heads; h++, at += chunk_head_bytes(len, D)) t->heads[s * t->kv_heads + h] = base + at;
         for (int tile = (n + TQ - 1) / TQ - 1; tile >= 0; tile--)
             for (int h = 0; h < t->kv_heads; h++) t->items[k++] = (struct attn_item){s, h, tile};
+#endif
     }
-    for (int s = 0; s < S; s++) {
+    for (int s = 0; s < S; s++) { /* latest rows (most keys) first */
         const int n = t->query_start[s + 1] - t->query_start[s];
-        if (n > 0 && !t->heads[s * t->kv_heads]) t->items[k++] = (struct attn_item){s, 0, -1};
+        if (n <= 0 || t->heads[s * t->kv_heads]) continue;
+        for (int tile = (n + TILE_ROWS - 1) / TILE_ROWS - 1; tile >= 0; tile--)
+            t->items[k++] = (struct attn_item){s, -1, tile};
     }
     *n_items = k;
     *n_chunk = chunk;

@@ -47,7 +47,8 @@ class LayerWeights(ctypes.Structure):
 
 
 def library() -> ctypes.CDLL | None:
-    """The built kernel (built now if it was not tried yet), or None (no compiler, no AVX512-BF16, switched off)."""
+    """The built kernel (built now if it was not tried yet), or None (no compiler, a CPU with neither
+    AVX512-BF16 nor AVX2 + FMA, switched off)."""
     global _lib, _tried
     if not _tried:
         _tried = True
@@ -66,11 +67,13 @@ def library() -> ctypes.CDLL | None:
             lib.pdserve_native_lender.argtypes = [p]
             lib.pdserve_native_lender.restype = None
             lib.pdserve_native_threads_in_use.restype = i32
-            amx = lib.pdserve_use_amx(int(os.environ.get("PDSERVE_NATIVE_AMX", "1") != "0"))
-            log.info("native bfloat16 steps on %s", "AMX tiles" if amx else "AVX512-BF16")
+            lib.pdserve_native_isa.restype = ctypes.c_char_p
+            lib.pdserve_use_amx(int(os.environ.get("PDSERVE_NATIVE_AMX", "1") != "0"))
+            log.info("native bfloat16 steps on %s", lib.pdserve_native_isa().decode())
             _lib = lib
         elif lib is not None:
-            log.info("this CPU (or compiler) has no AVX512-BF16: bfloat16 steps run transformers' forward")
+            log.info("this CPU (or compiler) has neither AVX512-BF16 nor AVX2 with FMA: bfloat16 steps run "
+                     "transformers' forward")
     return _lib
 
 
@@ -98,6 +101,12 @@ def set_lender(address: int | None) -> None:
 def threads_in_use() -> int:
     """The threads a native phase would use now: `set_threads`'s count plus what a lender lends."""
     return int(library().pdserve_native_threads_in_use())
+
+
+def isa() -> str:
+    """What the native projections run on here: "amx", "avx512-bf16", "avx2-fma", or "" (not built)."""
+    lib = library()
+    return "" if lib is None else lib.pdserve_native_isa().decode()
 
 
 def max_rows() -> int:

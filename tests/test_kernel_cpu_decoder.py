@@ -5,8 +5,9 @@ they are compared by how far each is from the float32 forward: the native step m
 float32 as transformers' own bfloat16 step is (within 1.5x, in the mean over 25 forwards), on the real
 model and on tiny Llama and Qwen2 checkpoints (q/k/v biases), for one-row, verification-sized and batched
 ragged steps. The GEMV is
-checked against a float32 matmul of the same bfloat16 numbers. Everything is skipped on a CPU without
-AVX512-BF16 (or without a C compiler), where the engine keeps transformers' forward.
+checked against a float32 matmul of the same bfloat16 numbers. The "vector" path is AVX512-BF16 where the CPU
+has it, else AVX2 + FMA (the same packed weights widened in registers); "amx" runs where AMX does. Everything
+is skipped on a CPU with neither (or without a C compiler), where the engine keeps transformers' forward.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def tokenizer(model_dir):
 
 
 needs_native = pytest.mark.skipif(cpu_decoder.library() is None,
-                                  reason="no AVX512-BF16 or no C compiler: the native decoder is not built here")
+                                  reason="no AVX512-BF16 or AVX2 + FMA, or no C compiler: the native decoder is not built here")
 
 
 def _has_amx() -> bool:
@@ -36,7 +37,7 @@ def _has_amx() -> bool:
     return had
 
 
-@pytest.fixture(params=["avx512", "amx"])
+@pytest.fixture(params=["vector", "amx"])
 def projection_path(request):
     """Each GEMV path this CPU has, the process's choice restored after (AMX is the default where it runs)."""
     if request.param == "amx" and not _has_amx():
