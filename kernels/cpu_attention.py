@@ -5,7 +5,8 @@ and V before its matmuls: with a bfloat16 pool that is two copies of the whole c
 plus 8-10 small ops per sequence, which at batch 16 cost a third of a decode step on a 2-core CPU. The
 native kernel reads each key and value row once, in place, for all the query rows of its KV head.
 
-It is compiled at first use with the machine's C compiler (`$CC`, else `cc`; `-O3 -march=native`, no
+It is compiled at first use with the machine's C compiler (`$CC`, else `cc`; `-O3 -march=native`, or the
+`-march` target in `$PDSERVE_NATIVE_MARCH`, such as x86-64-v3 for the AVX2 kernels on a CPU that has more; no
 fast-math; glibc's vector `expf` where it links) into the cache (`~/.cache/pdserve/kernels`, keyed by the
 sources, the flags and the CPU's flags; `build_library`, which `cpu_decoder` shares), loaded with ctypes, and called with the tensors' pointers and strides. Where there is no
 compiler, the build fails, or `PDSERVE_CPU_ATTENTION=0` is set, `available()` is False and callers use
@@ -37,6 +38,9 @@ log = logging.getLogger("pdserve.kernels.cpu_attention")
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # -z defs: a symbol no library defines fails the build here (and torch serves), not every later load
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-Wl,-z,defs")
+# PDSERVE_NATIVE_MARCH: another target for -march (x86-64-v3: the AVX2 + FMA kernels on a CPU that has more,
+# to measure or test them there); native by default
+MARCH_ENV = "PDSERVE_NATIVE_MARCH"
 VARIANTS = (("-DPDSERVE_LIBMVEC", "-lmvec"), ())
 KV_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -54,11 +58,31 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+# what each x86-64 level needs of /proc/cpuinfo's flags, so a forced level the CPU lacks is refused, not a SIGILL
+LEVEL_FLAGS = {"x86-64-v2": ("sse4_2", "popcnt", "ssse3"), "x86-64-v3": ("avx2", "fma", "f16c", "bmi2", "movbe"),
+               "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")}
+
+
+def _lacking(march: str) -> list[str]:
+    """The CPU flags x86-64 level `march` (and the levels below it) needs that this CPU lacks; [] for others."""
+    if march not in LEVEL_FLAGS:
+        return []
+    levels = list(LEVEL_FLAGS)
+    have = set(_cpu_flags().split())
+    return [f for level in levels[:levels.index(march) + 1] for f in LEVEL_FLAGS[level] if f not in have]
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags of every native kernel: `FLAGS`, with `$PDSERVE_NATIVE_MARCH` for -march where set."""
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+
+
 def library_path(compiler: str, source: Path = SOURCE) -> Path:
     """Where the build of `source` (and the C files beside it, which it may include) is cached: keyed by
     their text, the compiler, the flags and the CPU's flags."""
     texts = [p.read_text() for p in sorted(source.parent.glob("*.c"))]
-    key = hashlib.sha256("\0".join([source.name, *texts, compiler, *FLAGS, *map(" ".join, VARIANTS),
+    key = hashlib.sha256("\0".join([source.name, *texts, compiler, *flags(), *map(" ".join, VARIANTS),
                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"{source.stem}-{key}.so"
 
@@ -67,6 +91,12 @@ def build_library(source: Path, switch: str) -> ctypes.CDLL | None:
     """Compile `source` once per machine into the cache and load it; None where `$switch` is "0", there is
     no C compiler, or the build fails (logged: callers serve with torch instead)."""
     if os.environ.get(switch, "1") == "0":
+        return None
+    march = os.environ.get(MARCH_ENV, "").strip()
+    lacking = _lacking(march)
+    if lacking:
+        log.warning("%s=%s but this CPU lacks %s: %s is not built, torch serves instead", MARCH_ENV, march,
+                    " ".join(lacking), source.name)
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
@@ -80,7 +110,7 @@ def build_library(source: Path, switch: str) -> ctypes.CDLL | None:
         os.close(fd)
         try:
             for extra in VARIANTS:  # glibc's vector exp where it links, else scalar expf
-                r = subprocess.run([compiler, *FLAGS, *extra, "-I", str(source.parent), "-o", tmp, str(source), "-lm"],
+                r = subprocess.run([compiler, *flags(), *extra, "-I", str(source.parent), "-o", tmp, str(source), "-lm"],
                                    capture_output=True, text=True, timeout=120)
                 if r.returncode == 0:
                     break
