@@ -3,12 +3,13 @@
 At one to a few rows a transformers decoder layer is some forty torch ops and their Python around
 matmuls that are themselves short: on a 2-core AMD EPYC, SmolLM2-135M's one-row step took 48 ms in the
 decode worker, of which oneDNN's matmul kernels ran ~19 (perf). `pdserve_llama_layer` runs a Llama-style
-layer's whole forward in C — norms, projections (AVX512-BF16 GEMVs over weights packed for them, `pack`, or
+layer's whole forward in C — norms, projections (AVX512-BF16 GEMVs over weights packed for them, `pack`; on a
+CPU without it, AVX2 + FMA GEMVs that widen the same packed weights in registers; or
 AMX tiles over the same packing where the CPU has them),
 rotary embedding (the model's own cos/sin tables), the K/V write, paged attention, SiLU. Which models it
 serves and how a step calls it: `pdserve.engine.native`. Built like the attention kernel
 (`cpu_attention.build_library`); `PDSERVE_NATIVE_DECODE=0` leaves it unbuilt, as does a CPU or compiler
-without AVX512-BF16.
+with neither AVX512-BF16 nor AVX2 + FMA.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ transformers only the embedding, the rotary tables, the final norm and the head.
 
 Which models: an architecture whose decoder layer is exactly pre-norm attention and a SiLU-gated MLP
 with transformers' Llama norm (`NATIVE_TYPES`; q/k/v biases allowed, as Qwen2 has), every layer full
-attention with no soft cap or sinks, in bfloat16 on a CPU with AVX512-BF16, the C compiler present, and
+attention with no soft cap or sinks, in bfloat16 on a CPU with AVX512-BF16 or AVX2 + FMA, the C compiler present, and
 `PDSERVE_NATIVE_DECODE` not "0". `from_model` returns None (and says why at debug level) for anything
 else, which keeps transformers' forward. The layers compute what transformers' bfloat16 forward does up to
 the summation order of matmuls and reductions: as close to float32 as it is (tests/test_kernel_cpu_decoder.py),
