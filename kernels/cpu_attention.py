@@ -20,115 +20,20 @@ which the reference calls for them, ran a 256-token chunk at a fifth of the spee
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from pdserve.modelstore import cache_dir
-
-log = logging.getLogger("pdserve.kernels.cpu_attention")
+# the build machinery lives in native_build (torch-free, for the image's compiler stage); named here too
+from pdserve.kernels.native_build import (FLAGS, MARCH_ENV, PREBUILT, PREBUILT_ENV, build_library,  # noqa: F401
+                                          compile_library, flags, library_path, prebuilt_dir, prebuilt_name,
+                                          runnable_variants, source_key)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-# -z defs: a symbol no library defines fails the build here (and torch serves), not every later load
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-Wl,-z,defs")
-# PDSERVE_NATIVE_MARCH: another target for -march (x86-64-v3: the AVX2 + FMA kernels on a CPU that has more,
-# to measure or test them there); native by default
-MARCH_ENV = "PDSERVE_NATIVE_MARCH"
-VARIANTS = (("-DPDSERVE_LIBMVEC", "-lmvec"), ())
 KV_DTYPES = (torch.float32, torch.bfloat16)
 
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-# what each x86-64 level needs of /proc/cpuinfo's flags, so a forced level the CPU lacks is refused, not a SIGILL
-LEVEL_FLAGS = {"x86-64-v2": ("sse4_2", "popcnt", "ssse3"), "x86-64-v3": ("avx2", "fma", "f16c", "bmi2", "movbe"),
-               "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")}
-
-
-def _lacking(march: str) -> list[str]:
-    """The CPU flags x86-64 level `march` (and the levels below it) needs that this CPU lacks; [] for others."""
-    if march not in LEVEL_FLAGS:
-        return []
-    levels = list(LEVEL_FLAGS)
-    have = set(_cpu_flags().split())
-    return [f for level in levels[:levels.index(march) + 1] for f in LEVEL_FLAGS[level] if f not in have]
-
-
-def flags() -> tuple[str, ...]:
-    """The compiler flags of every native kernel: `FLAGS`, with `$PDSERVE_NATIVE_MARCH` for -march where set."""
-    march = os.environ.get(MARCH_ENV, "").strip() or "native"
-    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
-
-
-def library_path(compiler: str, source: Path = SOURCE) -> Path:
-    """Where the build of `source` (and the C files beside it, which it may include) is cached: keyed by
-    their text, the compiler, the flags and the CPU's flags."""
-    texts = [p.read_text() for p in sorted(source.parent.glob("*.c"))]
-    key = hashlib.sha256("\0".join([source.name, *texts, compiler, *flags(), *map(" ".join, VARIANTS),
-                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"{source.stem}-{key}.so"
-
-
-def build_library(source: Path, switch: str) -> ctypes.CDLL | None:
-    """Compile `source` once per machine into the cache and load it; None where `$switch` is "0", there is
-    no C compiler, or the build fails (logged: callers serve with torch instead)."""
-    if os.environ.get(switch, "1") == "0":
-        return None
-    march = os.environ.get(MARCH_ENV, "").strip()
-    lacking = _lacking(march)
-    if lacking:
-        log.warning("%s=%s but this CPU lacks %s: %s is not built, torch serves instead", MARCH_ENV, march,
-                    " ".join(lacking), source.name)
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        log.info("no C compiler: %s is not built, torch serves instead", source.name)
-        return None
-    path = library_path(compiler, source)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # built beside its final name and renamed: processes starting together never load a half-written file
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")
-        os.close(fd)
-        try:
-            for extra in VARIANTS:  # glibc's vector exp where it links, else scalar expf
-                r = subprocess.run([compiler, *flags(), *extra, "-I", str(source.parent), "-o", tmp, str(source), "-lm"],
-                                   capture_output=True, text=True, timeout=120)
-                if r.returncode == 0:
-                    break
-            if r.returncode != 0:
-                log.warning("building %s failed (%s): torch serves instead\n%s", source.name, compiler, r.stderr[-2000:])
-                return None
-            os.replace(tmp, path)
-        except (OSError, subprocess.SubprocessError) as e:
-            log.warning("building %s failed (%s): torch serves instead", source.name, e)
-            return None
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    try:
-        return ctypes.CDLL(str(path))
-    except OSError as e:  # a build that links but cannot load here: serve with torch, as for a failed build
-        log.warning("loading %s failed (%s): torch serves instead", path.name, e)
-        return None
 
 
 def _build() -> ctypes.CDLL | None:

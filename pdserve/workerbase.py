@@ -88,6 +88,13 @@ class WorkerBase:
         self.runner = ModelRunner(model_dir, dtype=dtype, device=args.device, block_size=args.block_size,
                                   served_name=args.served_model_name)
         self.model_name = self.runner.name
+        if str(args.device).startswith("cpu"):
+            # the native kernels load (or build) now, not inside the first request, and the ready line and
+            # /metrics (pdserve_engine_info) say from the start which serve
+            from pdserve.kernels import cpu_attention, cpu_sampling
+
+            cpu_attention.available()
+            cpu_sampling.library()
         self.creds = NatsCredentials.from_config(args.nats, scope=self.scope)
         self.registry = CollectorRegistry()
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-compute")
@@ -168,7 +175,7 @@ class WorkerBase:
         self.nc = connect.result()
         await self.on_start()
         if self.args.metrics_port:
-            register_runtime_metrics(self.registry, loop, lambda: self.nc)
+            register_runtime_metrics(self.registry, loop, lambda: self.nc, engine=True)
             start_http_server(self.args.metrics_port, registry=self.registry)
         hb = asyncio.create_task(self._heartbeat())
         # What is loaded by now (the model's modules, the tokenizer, calibration) lives as long as the process:
@@ -177,9 +184,13 @@ class WorkerBase:
         gc.collect()
         gc.freeze()
         # `pdserve up` waits for this line: this process (not an earlier one under the same id) takes work
-        log.info("%s %s ready: model %s (%s), NATS %s%s", self.role, self.worker_id, self.model_name,
+        from pdserve.kernels.native_build import engine_info
+
+        kernels = engine_info()
+        log.info("%s %s ready: model %s (%s), NATS %s%s, kernels %s%s", self.role, self.worker_id, self.model_name,
                  self.runner.layout.model_fingerprint, self.creds.url,
-                 f", data {self.data_addr()}" if self.data_addr() else "")
+                 f", data {self.data_addr()}" if self.data_addr() else "", kernels["kernels"],
+                 f" {kernels['isa']}" if kernels["isa"] else "")
         await self._stop.wait()
         # with NATS gone nothing finished here could reach a client: stop at once
         await self._drain(loop.time() + (self.args.drain_timeout if self.nc.is_connected else 0.0))

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from pdserve.kernels.cpu_attention import _lacking
+from pdserve.kernels.native_build import _lacking
 
 pytestmark = pytest.mark.skipif(
     os.uname().machine != "x86_64" or bool(_lacking("x86-64-v3")), reason="needs an x86-64 CPU with AVX2 + FMA")
@@ -81,12 +81,12 @@ def test_the_avx2_build_serves_bfloat16_and_a_prompt_gets_the_same_logits_on_eve
 def test_a_forced_level_this_cpu_lacks_is_refused_and_torch_serves(monkeypatch, caplog, tmp_path):
     """`/proc/cpuinfo`'s flags stand in for a CPU without AVX-512 (this one may have it): a build for
     x86-64-v4 there would load and die of SIGILL at its first step, so it is not built at all."""
-    from pdserve.kernels import cpu_attention
+    from pdserve.kernels import cpu_attention, native_build
 
     monkeypatch.setenv("PDSERVE_NATIVE_MARCH", "x86-64-v4")
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: "fpu sse4_2 popcnt ssse3 avx2 fma f16c bmi2 movbe")
-    with caplog.at_level("WARNING", logger="pdserve.kernels.cpu_attention"):
+    monkeypatch.setattr(native_build, "_cpu_flags", lambda: "fpu sse4_2 popcnt ssse3 avx2 fma f16c bmi2 movbe")
+    with caplog.at_level("WARNING", logger="pdserve.kernels.native_build"):
         assert cpu_attention.build_library(cpu_attention.SOURCE, "PDSERVE_TEST_SWITCH") is None
     assert "avx512f" in caplog.text and "x86-64-v4" in caplog.text
     assert not list(tmp_path.rglob("*.so"))
