@@ -8,9 +8,10 @@
  * float32 once and the probabilities multiply them in float32 FMAs (no rounding of the probabilities to
  * bfloat16). Query tiles of 16 positions skip the key blocks causality hides from all of them.
  *
- * Arithmetic: scores are exact products of the bfloat16 q and k summed in float32 (in pairs, then in the
- * order of the head dims), times the scale; the causal mask; a float32 softmax (its sum in 16 lanes); the
- * weighted sum of the values in key order. What SDPA computes from the same inputs, up to the order of its sums.
+ * Arithmetic: scores are exact products of the bfloat16 q and k summed in float32 in the decode kernel's
+ * order (`score_rows`), times the scale; the causal mask; a float32 softmax (its sum in 16 lanes); the
+ * weighted sum of the values in key order: step for step what the decode kernel (cpu_attention.c) computes for
+ * the same row, so a prompt row's attention is the same float whichever of the two kernels took it.
  *
  * Full attention only (no window, soft cap or sinks: those go to the reference), head_dim a multiple of
  * 32 up to 256. Built by kernels/cpu_attention.build_library; `pdserve_chunk_attention_supported` says
@@ -75,39 +76,60 @@ static void widen_values(const bf16 *kv, int64_t head_off, const int32_t *table,
     }
 }
 
+/* 16 vectors of partial sums, lane-wise -> their sums, each paired exactly as _mm512_reduce_add_ps pairs its
+ * lanes (i + i+8, then + i+4, + i+2, + i+1): what the decode kernel's reduction of one key's 16 lanes gives. */
+static inline __m512 tree16(const __m512 *a) {
+    __m512 s1[8], s2[4];
+    for (int i = 0; i < 8; i++) s1[i] = _mm512_add_ps(a[i], a[i + 8]);
+    for (int i = 0; i < 4; i++) s2[i] = _mm512_add_ps(s1[i], s1[i + 4]);
+    return _mm512_add_ps(_mm512_add_ps(s2[0], s2[2]), _mm512_add_ps(s2[1], s2[3]));
+}
+
 /* scores[r][c] for RN rows (RN <= RB, a constant where inlined) and keys in blocks of 16 from 0 to
- * nkb * 16: q rows as bf16 pairs `qp[r][D / 2]`. */
+ * nkb * 16: q rows as bf16 pairs `qp[r][D / 2]`. A score is summed in the decode kernel's order
+ * (`score_rows_dp_v`), not in the order of the dims: its pairs p = L, L + 16, L + 32, .. in partial sum L
+ * (one lane of the decode kernel's dot product), the 16 partial sums then reduced as its lanes are
+ * (`tree16`). So a row of a prompt chunk scores every key as the same row computed as a decode row does,
+ * and a prompt's logits do not depend on how it was split into chunks or what of it was cached. */
 static inline __attribute__((always_inline)) void score_rows(const uint32_t *qp, int D2, const uint32_t *kp, int nkb,
                                                              float *scores, int ld, const int RN) {
     int kb = 0;
     for (; kb + 1 < nkb; kb += 2) {
-        __m512 acc0[RB], acc1[RB];
-        for (int r = 0; r < RN; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+        __m512 part0[RB][16], part1[RB][16];
         const uint32_t *k0 = kp + (size_t)kb * D2 * 16, *k1 = k0 + (size_t)D2 * 16;
-        for (int p = 0; p < D2; p++) {
-            const __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + p * 16);
-            const __m512bh b = (__m512bh)_mm512_loadu_si512(k1 + p * 16);
-            for (int r = 0; r < RN; r++) {
-                const __m512bh q = (__m512bh)_mm512_set1_epi32((int)qp[(size_t)r * D2 + p]);
-                acc0[r] = _mm512_dpbf16_ps(acc0[r], q, a);
-                acc1[r] = _mm512_dpbf16_ps(acc1[r], q, b);
+        for (int L = 0; L < 16; L++) {
+            __m512 acc0[RB], acc1[RB];
+            for (int r = 0; r < RN; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+            for (int p = L; p < D2; p += 16) {
+                const __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + p * 16);
+                const __m512bh b = (__m512bh)_mm512_loadu_si512(k1 + p * 16);
+                for (int r = 0; r < RN; r++) {
+                    const __m512bh q = (__m512bh)_mm512_set1_epi32((int)qp[(size_t)r * D2 + p]);
+                    acc0[r] = _mm512_dpbf16_ps(acc0[r], q, a);
+                    acc1[r] = _mm512_dpbf16_ps(acc1[r], q, b);
+                }
             }
+            for (int r = 0; r < RN; r++) part0[r][L] = acc0[r], part1[r][L] = acc1[r];
         }
         for (int r = 0; r < RN; r++) {
-            _mm512_storeu_ps(scores + (size_t)r * ld + kb * 16, acc0[r]);
-            _mm512_storeu_ps(scores + (size_t)r * ld + kb * 16 + 16, acc1[r]);
+            _mm512_storeu_ps(scores + (size_t)r * ld + kb * 16, tree16(part0[r]));
+            _mm512_storeu_ps(scores + (size_t)r * ld + kb * 16 + 16, tree16(part1[r]));
         }
     }
     if (kb < nkb) {
-        __m512 acc0[RB];
-        for (int r = 0; r < RN; r++) acc0[r] = _mm512_setzero_ps();
+        __m512 part0[RB][16];
         const uint32_t *k0 = kp + (size_t)kb * D2 * 16;
-        for (int p = 0; p < D2; p++) {
-            const __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + p * 16);
-            for (int r = 0; r < RN; r++)
-                acc0[r] = _mm512_dpbf16_ps(acc0[r], (__m512bh)_mm512_set1_epi32((int)qp[(size_t)r * D2 + p]), a);
+        for (int L = 0; L < 16; L++) {
+            __m512 acc0[RB];
+            for (int r = 0; r < RN; r++) acc0[r] = _mm512_setzero_ps();
+            for (int p = L; p < D2; p += 16) {
+                const __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + p * 16);
+                for (int r = 0; r < RN; r++)
+                    acc0[r] = _mm512_dpbf16_ps(acc0[r], (__m512bh)_mm512_set1_epi32((int)qp[(size_t)r * D2 + p]), a);
+            }
+            for (int r = 0; r < RN; r++) part0[r][L] = acc0[r];
         }
-        for (int r = 0; r < RN; r++) _mm512_storeu_ps(scores + (size_t)r * ld + kb * 16, acc0[r]);
+        for (int r = 0; r < RN; r++) _mm512_storeu_ps(scores + (size_t)r * ld + kb * 16, tree16(part0[r]));
     }
 }
 

@@ -1,0 +1,95 @@
+"""Same request, same answer, at bfloat16: a sequence's logits are the same bits however the engine computed it.
+
+On the native decoder (AVX512-BF16 or AVX2 + FMA), every reduction of a row is fixed by its position alone:
+the GEMV sums each output in input order whatever the row count, the attention of a prompt chunk's row scores
+its keys in the decode kernel's order (`cpu_chunk_attention.c`), the norms and softmax reduce in fixed trees.
+So a prompt computed in one step, in chunks of 17 or 64 (crossing the 16-row tiles and the KV blocks), behind a
+cached prefix, or in the same step as another sequence's decode row gives the same logits, and so does a decode
+row alone or in a batch of 3, 16 or 64. Token ids follow from logits, so these compare the logits themselves:
+a difference in the last bit fails here before it flips a token. bench/determinism.py measures the same paths
+over 100 prompts, greedy tokens.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir):
+    from pdserve.engine.runner import PagedRunner
+
+    torch.set_num_threads(1)
+    r = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=1024)
+    if not r.native_rows():
+        pytest.skip("no native decoder on this CPU: transformers' forward serves, and its GEMMs are not row-invariant")
+    return r
+
+
+def _prompt(r, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, min(r.vocab_size, 49152), (n,), generator=g).tolist()
+
+
+def _decode(r, sid, token: int, steps: int) -> list[torch.Tensor]:
+    out = []
+    for _ in range(steps):
+        (lg,) = r.step([(sid, [token])])
+        out.append(lg[-1])
+        token = int(lg[-1].argmax())
+    return out
+
+
+@pytest.mark.parametrize("n", [150, 261])
+def test_a_prompt_gets_the_same_logits_however_it_was_split_cached_or_batched(runner, n):
+    r = runner
+    prompt = _prompt(r, n, seed=n)
+    r.prefill("filler", _prompt(r, 60, seed=1), reuse_prefix=False)
+    paths = {}
+    try:
+        ref = r.prefill(("alone", n), prompt, reuse_prefix=False)
+        paths["chunk17"] = r.prefill(("chunk17", n), prompt, chunk_size=17, reuse_prefix=False)
+        paths["chunk64"] = r.prefill(("chunk64", n), prompt, chunk_size=64, reuse_prefix=False)
+        paths["cached"] = r.prefill(("cached", n), prompt)  # its leading whole blocks from the prefix cache
+        r.start(("mixed", n), prompt, reuse_prefix=False)  # the whole prompt in one step beside a decode row
+        paths["mixed"] = r.step([("filler", [500]), (("mixed", n), prompt)], last_only=True)[1][-1]
+        differ = [name for name, lg in paths.items() if not torch.equal(lg.reshape(-1), ref.reshape(-1))]
+        assert not differ, f"the prompt's logits changed along {differ}"
+        # the KV each path wrote is the same too: the next steps' logits agree bit for bit
+        token = int(ref.reshape(-1, ref.shape[-1])[-1].argmax())
+        want = _decode(r, ("alone", n), token, 3)
+        for name in paths:
+            got = _decode(r, (name, n), token, 3)
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), f"decoding after {name} differs"
+    finally:
+        for sid in ["filler", ("alone", n), *((name, n) for name in ("chunk17", "chunk64", "cached", "mixed"))]:
+            if sid in r:
+                r.free(sid)
+
+
+def test_a_decode_row_gets_the_same_logits_alone_and_in_batches_of_3_16_and_64(runner):
+    r = runner
+    prompt = _prompt(r, 140, seed=7)
+    first = int(r.prefill("seq", prompt, reuse_prefix=False).reshape(-1, r.vocab_size)[-1].argmax())
+    r.prefill("base", _prompt(r, 90, seed=8), reuse_prefix=False)
+    try:
+        alone = _decode(r, "seq", first, 3)
+        r.rollback("seq", len(prompt))
+        for width in (3, 16, 64):
+            fillers = [("f", width, k) for k in range(width - 1)]
+            for f in fillers:
+                r.fork("base", f)
+            token, nxt = first, {f: 321 for f in fillers}
+            for step in range(3):
+                logits = r.step([("seq", [token])] + [(f, [nxt[f]]) for f in fillers])
+                assert torch.equal(logits[0][-1], alone[step]), f"step {step} in a batch of {width} differs"
+                token = int(logits[0][-1].argmax())
+                nxt = {f: int(lg[-1].argmax()) for f, lg in zip(fillers, logits[1:])}
+            for f in fillers:
+                r.free(f)
+            r.rollback("seq", len(prompt))
+    finally:
+        r.free("seq")
+        r.free("base")
