@@ -2,6 +2,7 @@
 benchmark client people use (guidellm), on the same machine, model and dtype, in one run.
 
     python bench/peer.py [--dtype bfloat16] [--streams 1,4,16] [--requests 16] [--rounds 3] [--json out.json]
+                         [--pdserve-builds checkout,wheel,avx2,torch]
 
 What it does, in order:
 
@@ -231,13 +232,42 @@ def start_vllm(py: Path, model_dir: Path, name: str, dtype: str, port: int, bind
     return proc, log
 
 
-def start_pdserve(model_dir: Path, dtype: str, port: int, workdir: Path, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+# pdserve's builds (`--pdserve-builds`): the environment each is started with
+BUILDS = ("checkout", "wheel", "avx2", "torch")
+
+
+def build_env(build: str, workdir: Path) -> tuple[str, dict[str, str]]:
+    """The label and environment of one pdserve build: `checkout` as this checkout serves (its prebuilt kernels
+    if any, else compiled for -march=native); `wheel` the prebuilt kernels the wheel and the image carry (built
+    now into `workdir`, no compiler at run time: the best variant this CPU runs); `avx2` the x86-64-v3 build
+    (a CPU without AVX-512); `torch` no native kernel (a machine with neither compiler nor prebuilt kernels)."""
+    if build == "checkout":
+        return "pdserve", {}
+    if build == "wheel":
+        from pdserve.kernels import native_build
+        from pdserve.kernels.prebuild import prebuild
+
+        out = workdir / "prebuilt"
+        if not out.exists():
+            prebuild(out)
+        variants = native_build.runnable_variants()
+        return f"pdserve wheel {variants[0] if variants else 'torch'}", {
+            native_build.PREBUILT_ENV: str(out), "CC": "/nonexistent/cc"}
+    if build == "avx2":
+        return "pdserve avx2", {"PDSERVE_NATIVE_MARCH": "x86-64-v3"}
+    if build == "torch":
+        return "pdserve torch", {"PDSERVE_CPU_ATTENTION": "0", "PDSERVE_NATIVE_DECODE": "0", "PDSERVE_CPU_SAMPLING": "0"}
+    raise ValueError(f"unknown pdserve build {build!r}: one of {', '.join(BUILDS)}")
+
+
+def start_pdserve(model_dir: Path, dtype: str, port: int, workdir: Path, extra: list[str],
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     log = workdir / "pdserve-up.log"
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--port", str(port),
            "--dtype", dtype, *extra]
-    say(f"starting pdserve: {' '.join(cmd[1:])}")
-    proc = subprocess.Popen(cmd, env={**os.environ, **OFFLINE_ENV}, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=workdir)
+    say(f"starting pdserve: {' '.join(cmd[1:])}" + "".join(f" {k}={v}" for k, v in (env or {}).items()))
+    proc = subprocess.Popen(cmd, env={**os.environ, **OFFLINE_ENV, **(env or {})}, stdout=open(log, "ab"),
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir)
     wait_http(f"http://127.0.0.1:{port}/ready", proc, 600, log)
     return proc, log
 
@@ -358,8 +388,9 @@ def combine(rounds: list[list[dict]]) -> list[dict]:
     return out
 
 
-def print_table(results: dict[str, list[dict]], ours: str) -> None:
-    peers = [k for k in results if k != ours]
+def print_table(results: dict[str, list[dict]], ours: str | list[str]) -> None:
+    ours = [ours] if isinstance(ours, str) else ours
+    peers = [k for k in results if k not in ours]
     head = (f"{'system':<26} {'c':>3} {'out tok/s':>10} {'(range)':>13} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} "
             f"{'errors':>7}")
     print("\n" + head)
@@ -369,9 +400,9 @@ def print_table(results: dict[str, list[dict]], ours: str) -> None:
             spread = f"{r.get('output_tok_s_min', r['output_tok_s']):.1f}-{r.get('output_tok_s_max', r['output_tok_s']):.1f}"
             print(f"{sysname:<26} {r['concurrency']!s:>3} {r['output_tok_s']:>10.1f} {spread:>13} "
                   f"{r['ttft_p50_ms']:>12.0f} {r['itl_p50_ms']:>11.1f} {r['errored']:>7}")
-    for peer in peers if ours in results else []:  # --skip pdserve: the peers' rows alone
-        print(f"\npdserve / {peer}:  (tok/s: higher is better; TTFT, ITL: lower is better)")
-        for a, b in zip(results[ours], results[peer]):
+    for mine, peer in [(m, p) for m in ours if m in results for p in peers]:  # --skip pdserve: the peers alone
+        print(f"\n{mine} / {peer}:  (tok/s: higher is better; TTFT, ITL: lower is better)")
+        for a, b in zip(results[mine], results[peer]):
             print(f"  c={a['concurrency']!s:>3}  tok/s {a['output_tok_s'] / b['output_tok_s']:.2f}x   "
                   f"TTFT p50 {a['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x   ITL p50 {a['itl_p50_ms'] / b['itl_p50_ms']:.2f}x")
 
@@ -388,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="VLLM_CPU_OMP_THREADS_BIND: auto (vLLM's default, model on core 0), 0-1, or both in turn")
     p.add_argument("--skip", default="", help="comma list of systems to skip: vllm, pdserve")
     p.add_argument("--pdserve-args", default="", help="extra `pdserve up` arguments (one string)")
+    p.add_argument("--pdserve-builds", default="checkout",
+                   help=f"comma list of pdserve builds to measure side by side: {', '.join(BUILDS)} (see build_env)")
     p.add_argument("--rounds", type=int, default=3,
                    help="measure every system this many times, taking turns, and report the medians")
     p.add_argument("--json", default=None, help="write every system's rows and guidellm reports here")
@@ -415,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         reports.setdefault(label, []).append(rep)
         per_round.setdefault(label, []).append(summarize(rep, streams))
 
-    ours = "pdserve"
+    builds = [build_env(b, workdir) for b in filter(None, args.pdserve_builds.split(","))]
+    ours = [label for label, _ in builds]
     for k in range(args.rounds):
         if "vllm" not in skip:
             py = ensure_vllm()
@@ -426,11 +460,11 @@ def main(argv: list[str] | None = None) -> int:
                     measure(f"vllm-cpu {VLLM_VERSION} bind={binding}", f"http://127.0.0.1:{port}", k)
                 finally:
                     stop(proc)
-        if "pdserve" not in skip:
+        for label, env in builds if "pdserve" not in skip else []:
             port = free_port()
-            proc, _ = start_pdserve(model_dir, args.dtype, port, workdir, args.pdserve_args.split())
+            proc, _ = start_pdserve(model_dir, args.dtype, port, workdir, args.pdserve_args.split(), env)
             try:
-                measure(ours, f"http://127.0.0.1:{port}", k)
+                measure(label, f"http://127.0.0.1:{port}", k)
             finally:
                 stop(proc)
     results = {label: combine(rows) for label, rows in per_round.items()}
