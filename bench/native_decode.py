@@ -1,4 +1,4 @@
-"""The native bfloat16 decoder layer against transformers' forward, per decode batch and prompt size, on this CPU.
+"""The native decoder layers (bfloat16 and float32) against transformers' forward, per decode batch and prompt size.
 
     python -P bench/native_decode.py [--model default] [--context 256] [--steps 20] [--threads 1]
 
@@ -8,8 +8,9 @@ step on a lent core, pdserve.cpulease): the default (steps of up to
 without it, whose projections keep the fastest layout a calibration finds (oneDNN's packed weights here).
 Each decodes batches of 1 to 64 sequences of `--context` tokens, then prefills prompts of 16 to 256 tokens
 (the last row's logits, as prefill does); printed: ms per step (median of `--steps`; of 5 for prompts) side
-by side and the ratio, and the same model in float32 through transformers' forward (what `dtype: auto`
-serves on a CPU without AVX512-BF16) with its ratio. Where the CPU has AMX, the native engine's AVX512-BF16 path (`PDSERVE_NATIVE_AMX=0`)
+by side and the ratio, and the same for the model in float32 (what `dtype: auto` serves on a CPU without
+AVX512-BF16, and what `--dtype float32` serves anywhere): the native float32 layer against transformers' float32
+forward. Where the CPU has AMX, the native engine's AVX512-BF16 path (`PDSERVE_NATIVE_AMX=0`)
 gets a column of its own. Torch's OpenMP threads spin for at most 1000 rounds after a parallel region, as
 `pdserve up`'s workers' do (`GOMP_SPINCOUNT`): with libgomp's default they spin on, on the core the native
 layer's second thread needs (two threads: a 16-row step 32 ms against 23, a 256-token prompt 188 against 154).
@@ -49,25 +50,31 @@ def main(argv: list[str] | None = None) -> int:
         print("the native decoder does not run here (no AVX512-BF16 or AVX2 + FMA, no C compiler, or another architecture)")
         return 1
     build = NativeDecoder.from_model
-    NativeDecoder.from_model = classmethod(lambda cls, model: None)
-    try:
-        plain = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=blocks, prefix_cache=False)
-    finally:
-        NativeDecoder.from_model = build
-    measure(plain, [1, 4, 8, 16], context_tokens=64, repeats=1)  # its fastest layouts (the worker's calibration)
-    wide = PagedRunner(model_dir, dtype=torch.float32, num_blocks=blocks, prefix_cache=False)
-    measure(wide, [1, 4, 8, 16], context_tokens=64, repeats=1)
+
+    def transformers_only(dtype):
+        NativeDecoder.from_model = classmethod(lambda cls, model: None)
+        try:
+            r = PagedRunner(model_dir, dtype=dtype, num_blocks=blocks, prefix_cache=False)
+        finally:
+            NativeDecoder.from_model = build
+        measure(r, [1, 4, 8, 16], context_tokens=64, repeats=1)  # its fastest layouts (the worker's calibration)
+        return r
+
+    plain = transformers_only(torch.bfloat16)
+    native32 = PagedRunner(model_dir, dtype=torch.float32, num_blocks=blocks, prefix_cache=False)
+    wide = transformers_only(torch.float32)
     from pdserve.kernels import cpu_decoder
 
     amx = cpu_decoder.use_amx(True)
     top = cpu_decoder.max_rows()
     vocab = native.vocab_size
     sizes = [b for b in (1, 4, 8, 16, 24, 32, 64) if b <= top]
-    paths = [("native", native, True), ("plain", plain, amx), ("float32", wide, amx)]
+    paths = [("native", native, True), ("plain", plain, amx), ("native32", native32, amx), ("float32", wide, amx)]
     paths += [("avx512", native, False)] if amx else []
     print(f"{model_dir.name}, bfloat16, {args.context} tokens of context, {args.threads} thread(s), native projections on "
           f"{cpu_decoder.isa()}; plan {plain.model.step_plan[1:17:5]}")
-    head = (f"{'native ms':>10} {'transformers ms':>16} {'speed-up':>9} {'float32 ms':>11} {'speed-up':>9}"
+    head = (f"{'native ms':>10} {'transformers ms':>16} {'speed-up':>9} {'f32 native':>11} {'f32 transformers':>17} "
+            f"{'speed-up':>9}"
             + (f" {'AVX512 ms':>10}" if amx else ""))
 
     def timed(r, batch, n, undo, last_only=False):
@@ -83,14 +90,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def row(label, times):
         line = f"{label:>12} {times['native']:>10.1f} {times['plain']:>16.1f} {times['plain'] / times['native']:>8.2f}x"
-        line += f" {times['float32']:>11.1f} {times['float32'] / times['native']:>8.2f}x"
+        line += (f" {times['native32']:>11.1f} {times['float32']:>17.1f}"
+                 f" {times['float32'] / times['native32']:>8.2f}x")
         if amx:
             line += f" {times['avx512']:>10.1f}" if "avx512" in times else f" {'-':>10}"
         print(line)
 
     print(f"{'decode batch':>12} {head}")
     with torch.inference_mode():
-        for r in (native, plain, wide):
+        for r in (native, plain, native32, wide):
             for s in range(max(sizes)):
                 r.prefill(s, [(7919 * (i + 31 * s) + 13) % vocab for i in range(args.context)])
         for b in sizes:

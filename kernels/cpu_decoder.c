@@ -1045,3 +1045,373 @@ int pdserve_llama_layer(bf16 *h, int rows, int hidden, int inter, const struct l
     return -2; /* built without AVX512-BF16: cpu_decoder.library() never loads it */
 }
 #endif
+
+/* ---- the float32 layer ---------------------------------------------------------------------------------------
+ * The same layer for a float32 model over a float32 pool, so float32 steps are row-invariant too: transformers'
+ * float32 forward multiplies with oneDNN/MKL, whose kernels (and so whose summation order) change with the row
+ * count, and a prompt chunk's attention went through SDPA. Here every output of a projection is one FMA chain
+ * over its inputs in order, starting from zero, whatever the rows, the tile or the instruction set (AVX-512 and
+ * AVX2 give the same bits); norms sum 16 lanes of FMAs then a fixed tree; attention is the paged kernel of
+ * cpu_attention.c for every row, prompt chunks included, in tiles of TILE_ROWS rows computed as whole-sequence
+ * calls compute them. The weights are the model's own `weight_t` ([in, out], CpuLinear's parameter), read in
+ * place: no second copy of a float32 model. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_F32_LAYER 1
+#if defined(__AVX512F__)
+#define F32_TILE_OUT 32 /* outputs per register tile: 2 x 16 lanes */
+#define F32_TILE_ROWS 8
+static inline __mmask16 f32_lanes(int left) { /* lanes j < left */
+    return left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+}
+/* y[r][o0 + j] = x[r] . W[:, o0 + j] (+ bias), j < 32 (masked past n), rows r < ROWS; W [k, n] row-major */
+static inline __attribute__((always_inline)) void f32_tile(const float *x, int ldx, const float *w, int n, int k,
+                                                           const float *bias, float *y, int ldy, int o0,
+                                                           const int ROWS) {
+    const __mmask16 m0 = f32_lanes(n - o0), m1 = f32_lanes(n - o0 - 16);
+    __m512 acc[2][F32_TILE_ROWS];
+    for (int r = 0; r < ROWS; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    const float *wp = w + o0;
+    for (int i = 0; i < k; i++) {
+        const __m512 w0 = _mm512_maskz_loadu_ps(m0, wp + (size_t)i * n);
+        const __m512 w1 = _mm512_maskz_loadu_ps(m1, wp + (size_t)i * n + 16);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 xv = _mm512_set1_ps(x[(size_t)r * ldx + i]);
+            acc[0][r] = _mm512_fmadd_ps(xv, w0, acc[0][r]);
+            acc[1][r] = _mm512_fmadd_ps(xv, w1, acc[1][r]);
+        }
+    }
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias + o0) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + o0 + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; r++) {
+        _mm512_mask_storeu_ps(y + (size_t)r * ldy + o0, m0, _mm512_add_ps(acc[0][r], b0));
+        _mm512_mask_storeu_ps(y + (size_t)r * ldy + o0 + 16, m1, _mm512_add_ps(acc[1][r], b1));
+    }
+}
+
+/* The same sums for a full tile of 8 x 16 outputs and rows r < ROWS <= 3 (24 accumulators): per input, the tile's
+ * weights are 512 contiguous bytes of W's row, so a step streams W in long runs and each load feeds ROWS FMAs */
+#define F32_WIDE_OUT 128
+#define F32_WIDE_ROWS 3
+static inline __attribute__((always_inline)) void f32_wide(const float *x, int ldx, const float *w, int n, int k,
+                                                           const float *bias, float *y, int ldy, int o0,
+                                                           const int ROWS) {
+    __m512 acc[F32_WIDE_ROWS][8];
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < 8; v++) acc[r][v] = _mm512_setzero_ps();
+    const float *wp = w + o0;
+    for (int i = 0; i < k; i++) {
+        const float *wi = wp + (size_t)i * n;
+        __m512 xv[F32_WIDE_ROWS];
+        for (int r = 0; r < ROWS; r++) xv[r] = _mm512_set1_ps(x[(size_t)r * ldx + i]);
+        for (int v = 0; v < 8; v++) {
+            const __m512 wv = _mm512_loadu_ps(wi + 16 * v);
+            for (int r = 0; r < ROWS; r++) acc[r][v] = _mm512_fmadd_ps(xv[r], wv, acc[r][v]);
+        }
+    }
+    for (int v = 0; v < 8; v++) {
+        const __m512 b = bias ? _mm512_loadu_ps(bias + o0 + 16 * v) : _mm512_setzero_ps();
+        for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(y + (size_t)r * ldy + o0 + 16 * v, _mm512_add_ps(acc[r][v], b));
+    }
+}
+#else
+#define F32_TILE_OUT 16 /* 2 x 8 lanes */
+#define F32_TILE_ROWS 6
+static inline __m256i lanes_below(int left) { /* AVX2 mask: lanes j < left */
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline __attribute__((always_inline)) void f32_tile(const float *x, int ldx, const float *w, int n, int k,
+                                                           const float *bias, float *y, int ldy, int o0,
+                                                           const int ROWS) {
+    const __m256i m0 = lanes_below(n - o0), m1 = lanes_below(n - o0 - 8);
+    __m256 acc[F32_TILE_ROWS][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float *wp = w + o0;
+    for (int i = 0; i < k; i++) {
+        const __m256 w0 = _mm256_maskload_ps(wp + (size_t)i * n, m0);
+        const __m256 w1 = _mm256_maskload_ps(wp + (size_t)i * n + 8, m1);
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + (size_t)r * ldx + i);
+            acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+        }
+    }
+    const __m256 b0 = bias ? _mm256_maskload_ps(bias + o0, m0) : _mm256_setzero_ps();
+    const __m256 b1 = bias ? _mm256_maskload_ps(bias + o0 + 8, m1) : _mm256_setzero_ps();
+    for (int r = 0; r < ROWS; r++) {
+        _mm256_maskstore_ps(y + (size_t)r * ldy + o0, m0, _mm256_add_ps(acc[r][0], b0));
+        _mm256_maskstore_ps(y + (size_t)r * ldy + o0 + 8, m1, _mm256_add_ps(acc[r][1], b1));
+    }
+}
+
+/* a full tile of 4 x 8 outputs and rows r < ROWS <= 3 (12 accumulators), as the AVX-512 one */
+#define F32_WIDE_OUT 32
+#define F32_WIDE_ROWS 3
+static inline __attribute__((always_inline)) void f32_wide(const float *x, int ldx, const float *w, int n, int k,
+                                                           const float *bias, float *y, int ldy, int o0,
+                                                           const int ROWS) {
+    __m256 acc[F32_WIDE_ROWS][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm256_setzero_ps();
+    const float *wp = w + o0;
+    for (int i = 0; i < k; i++) {
+        const float *wi = wp + (size_t)i * n;
+        __m256 xv[F32_WIDE_ROWS];
+        for (int r = 0; r < ROWS; r++) xv[r] = _mm256_broadcast_ss(x + (size_t)r * ldx + i);
+        for (int v = 0; v < 4; v++) {
+            const __m256 wv = _mm256_loadu_ps(wi + 8 * v);
+            for (int r = 0; r < ROWS; r++) acc[r][v] = _mm256_fmadd_ps(xv[r], wv, acc[r][v]);
+        }
+    }
+    for (int v = 0; v < 4; v++) {
+        const __m256 b = bias ? _mm256_loadu_ps(bias + o0 + 8 * v) : _mm256_setzero_ps();
+        for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(y + (size_t)r * ldy + o0 + 8 * v, _mm256_add_ps(acc[r][v], b));
+    }
+}
+#endif
+
+#define F32_ITEM_OUT 128 /* outputs per work item of a projection */
+
+/* y = x . W (+ bias) for `rows` rows and outputs [o_begin, o_end): tiles of outputs outermost, passes of up to
+ * F32_WIDE_ROWS rows inside, so a tile's weights come from memory once per step and from cache after; outputs
+ * past the last full wide tile in narrow (masked) tiles. Every tile sums an output's products the same way. */
+static void f32_gemm(const float *x, int ldx, int rows, const float *w, int n, int k, const float *bias, float *y,
+                     int ldy, int o_begin, int o_end) {
+    for (; o_begin + F32_WIDE_OUT <= o_end; o_begin += F32_WIDE_OUT)
+        for (int r0 = 0; r0 < rows; r0 += F32_WIDE_ROWS) {
+            const int m = rows - r0 < F32_WIDE_ROWS ? rows - r0 : F32_WIDE_ROWS;
+            const float *xr = x + (size_t)r0 * ldx;
+            float *yr = y + (size_t)r0 * ldy;
+            switch (m) {
+            case 1: f32_wide(xr, ldx, w, n, k, bias, yr, ldy, o_begin, 1); break;
+            case 2: f32_wide(xr, ldx, w, n, k, bias, yr, ldy, o_begin, 2); break;
+            default: f32_wide(xr, ldx, w, n, k, bias, yr, ldy, o_begin, 3); break;
+            }
+        }
+    for (int o0 = o_begin; o0 < o_end; o0 += F32_TILE_OUT)
+        for (int r0 = 0; r0 < rows; r0 += F32_TILE_ROWS) {
+            const int m = rows - r0 < F32_TILE_ROWS ? rows - r0 : F32_TILE_ROWS;
+            const float *xr = x + (size_t)r0 * ldx;
+            float *yr = y + (size_t)r0 * ldy;
+            switch (m) {
+            case 1: f32_tile(xr, ldx, w, n, k, bias, yr, ldy, o0, 1); break;
+            case 2: f32_tile(xr, ldx, w, n, k, bias, yr, ldy, o0, 2); break;
+            case 3: f32_tile(xr, ldx, w, n, k, bias, yr, ldy, o0, 3); break;
+            case 4: f32_tile(xr, ldx, w, n, k, bias, yr, ldy, o0, 4); break;
+            case 5: f32_tile(xr, ldx, w, n, k, bias, yr, ldy, o0, 5); break;
+#if F32_TILE_ROWS > 6
+            case 6: f32_tile(xr, ldx, w, n, k, bias, yr, ldy, o0, 6); break;
+            case 7: f32_tile(xr, ldx, w, n, k, bias, yr, ldy, o0, 7); break;
+#endif
+            default: f32_tile(xr, ldx, w, n, k, bias, yr, ldy, o0, F32_TILE_ROWS); break;
+            }
+        }
+}
+
+struct f32_proj_task {
+    const float *x, *w, *bias;
+    float *y;
+    int ldx, rows, n, k, ldy;
+};
+
+static void f32_proj_item(const void *ctx, int i) {
+    const struct f32_proj_task *p = ctx;
+    const int o1 = (i + 1) * F32_ITEM_OUT < p->n ? (i + 1) * F32_ITEM_OUT : p->n;
+    f32_gemm(p->x, p->ldx, p->rows, p->w, p->n, p->k, p->bias, p->y, p->ldy, i * F32_ITEM_OUT, o1);
+}
+
+static void f32_project(const float *x, int ldx, int rows, const float *w, int n, int k, const float *bias, float *y,
+                        int ldy) {
+    const struct f32_proj_task p = {x, w, bias, y, ldx, rows, n, k, ldy};
+    run_items(f32_proj_item, &p, (n + F32_ITEM_OUT - 1) / F32_ITEM_OUT);
+}
+
+/* transformers' Llama norm in float32: y = w * (x * rsqrt(mean(x^2) + eps)); the sum of squares as 16 lanes of
+ * FMAs (lane l: elements l, l + 16, ...) added as a tree (l + 8, + 4, + 2, then the last two) */
+static void f32_rms_norm_row(const float *x, const float *w, float eps, int n, float *y) {
+    float ss[16] = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) ss[l] = fmaf(x[i + l], x[i + l], ss[l]);
+    for (int l = 0; i + l < n; l++) ss[l] = fmaf(x[i + l], x[i + l], ss[l]);
+    for (int w2 = 8; w2 >= 2; w2 /= 2)
+        for (int l = 0; l < w2; l++) ss[l] += ss[l + w2];
+    const float inv = 1.0f / sqrtf((ss[0] + ss[1]) / (float)n + eps);
+#pragma omp simd
+    for (int j = 0; j < n; j++) y[j] = w[j] * (x[j] * inv);
+}
+
+/* dst = x * cos + rotate_half(x) * sin (dst may be x) */
+static void f32_rotary(const float *x, const float *cos, const float *sin, int d, float *dst) {
+    const int half = d / 2;
+    float tmp[512];
+    memcpy(tmp, x, (size_t)d * sizeof(float));
+#pragma omp simd
+    for (int i = 0; i < half; i++) dst[i] = tmp[i] * cos[i] - tmp[i + half] * sin[i];
+#pragma omp simd
+    for (int i = half; i < d; i++) dst[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
+}
+
+struct f32_layer_weights {
+    const float *ln1, *qkv, *qkv_bias, *o, *ln2, *gate_up, *down; /* projections [in, out] */
+};
+
+struct f32_task {
+    float *h;
+    int rows, hidden, inter, q_heads, kv_heads, head_dim, nq, nkv, nqkv;
+    const struct f32_layer_weights *w;
+    float eps, scale;
+    const float *cos, *sin;
+    float *kv;
+    int64_t s_kv, s_head, s_block, s_tok, num_blocks, bt_stride;
+    const int64_t *slots;
+    const int32_t *block_tables, *seq_lens, *query_start;
+    int block_size;
+    float *x, *qkv, *qf, *of, *gu, *act, *proj;
+    struct attn_item *items;
+    _Atomic int rc;
+};
+
+static void f32_norm1_item(const void *ctx, int i) {
+    const struct f32_task *t = ctx;
+    FOR_ROWS(t, i, r) f32_rms_norm_row(t->h + (size_t)r * t->hidden, t->w->ln1, t->eps, t->hidden,
+                                       t->x + (size_t)r * t->hidden);
+}
+
+/* rotary on q (into qf, the attention's query rows) and k (into the row's slot), V copied to its slot */
+static void f32_rope_item(const void *ctx, int i) {
+    const struct f32_task *t = ctx;
+    const int D = t->head_dim;
+    FOR_ROWS(t, i, r) {
+        const float *row = t->qkv + (size_t)r * t->nqkv;
+        const float *c = t->cos + (size_t)r * D, *s = t->sin + (size_t)r * D;
+        for (int hd = 0; hd < t->q_heads; hd++)
+            f32_rotary(row + (size_t)hd * D, c, s, D, t->qf + (size_t)r * t->nq + (size_t)hd * D);
+        const int64_t slot = t->slots[r], blk = slot / t->block_size, off = slot % t->block_size;
+        for (int g = 0; g < t->kv_heads; g++) {
+            float *kdst = t->kv + blk * t->s_block + g * t->s_head + off * t->s_tok;
+            f32_rotary(row + t->nq + (size_t)g * D, c, s, D, kdst);
+            memcpy(kdst + t->s_kv, row + t->nq + t->nkv + (size_t)g * D, (size_t)D * sizeof(float));
+        }
+    }
+}
+
+/* item: TILE_ROWS query rows of one sequence, computed as a call for the sequence ending at its last row */
+static void f32_attn_item(const void *ctx, int i) {
+    struct f32_task *t = (struct f32_task *)ctx;
+    const struct attn_item it = t->items[i];
+    const int s = it.seq, q0 = t->query_start[s], n = t->query_start[s + 1] - q0, len = t->seq_lens[s];
+    const int a = it.tile * TILE_ROWS, b = a + TILE_ROWS < n ? a + TILE_ROWS : n;
+    const int32_t rows[2] = {q0 + a, q0 + b}, seen = len - n + b;
+    const int rc = pdserve_paged_attention(t->qf, t->of, t->kv, 0, t->s_kv, t->s_head, t->s_block, t->s_tok,
+                                           t->num_blocks, t->block_tables + (int64_t)s * t->bt_stride, t->bt_stride,
+                                           &seen, rows, 1, t->q_heads, t->kv_heads, t->head_dim, t->block_size,
+                                           t->scale, 0, 0.0f, NULL);
+    if (rc) atomic_store(&t->rc, rc == 1 ? 1 + s : rc);
+}
+
+static void f32_resid_norm2_item(const void *ctx, int i) {
+    const struct f32_task *t = ctx;
+    FOR_ROWS(t, i, r) {
+        float *hr = t->h + (size_t)r * t->hidden;
+        const float *p = t->proj + (size_t)r * t->hidden;
+#pragma omp simd
+        for (int j = 0; j < t->hidden; j++) hr[j] += p[j];
+        f32_rms_norm_row(hr, t->w->ln2, t->eps, t->hidden, t->x + (size_t)r * t->hidden);
+    }
+}
+
+static void f32_silu_item(const void *ctx, int i) {
+    const struct f32_task *t = ctx;
+    FOR_ROWS(t, i, r) {
+        const float *g = t->gu + (size_t)r * 2 * t->inter, *u = g + t->inter;
+        float *act = t->act + (size_t)r * t->inter;
+#pragma omp simd
+        for (int j = 0; j < t->inter; j++) act[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
+
+static void f32_resid_item(const void *ctx, int i) {
+    const struct f32_task *t = ctx;
+    FOR_ROWS(t, i, r) {
+        float *hr = t->h + (size_t)r * t->hidden;
+        const float *p = t->proj + (size_t)r * t->hidden;
+#pragma omp simd
+        for (int j = 0; j < t->hidden; j++) hr[j] += p[j];
+    }
+}
+
+/* h [rows, hidden] float32, updated in place; cos/sin [rows, head_dim] float32; kv: this layer's pool
+ * [num_blocks, 2, kv_heads, block_size, head_dim] float32; slots [rows] int64. scratch: at least
+ * pdserve_f32_scratch_bytes(...) bytes. Returns 0, -1 (no memory), -2 (head_dim over 512), or 1 + the sequence
+ * whose block table is out of range. */
+int pdserve_llama_layer_f32(float *h, int rows, int hidden, int inter, const struct f32_layer_weights *w, float eps,
+                            int q_heads, int kv_heads, int head_dim, const float *cos, const float *sin, float *kv,
+                            int64_t s_kv, int64_t s_head, int64_t s_block, int64_t s_tok, int64_t num_blocks,
+                            const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
+                            const int32_t *seq_lens, const int32_t *query_start, int S, int block_size, float scale,
+                            void *scratch) {
+    if (head_dim > 512) return -2;
+    struct f32_task t = {.h = h, .rows = rows, .hidden = hidden, .inter = inter, .q_heads = q_heads,
+                         .kv_heads = kv_heads, .head_dim = head_dim, .w = w, .eps = eps, .scale = scale,
+                         .cos = cos, .sin = sin, .kv = kv, .s_kv = s_kv, .s_head = s_head, .s_block = s_block,
+                         .s_tok = s_tok, .num_blocks = num_blocks, .bt_stride = bt_stride, .slots = slots,
+                         .block_tables = block_tables, .seq_lens = seq_lens, .query_start = query_start,
+                         .block_size = block_size};
+    t.nq = q_heads * head_dim, t.nkv = kv_heads * head_dim, t.nqkv = t.nq + 2 * t.nkv;
+    t.x = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63); /* [rows, hidden] normed input */
+    t.qkv = t.x + (size_t)rows * hidden;                          /* [rows, nqkv] */
+    t.qf = t.qkv + (size_t)rows * t.nqkv;                         /* [rows, nq] rotated queries */
+    t.of = t.qf + (size_t)rows * t.nq;                            /* [rows, nq] attention output */
+    t.gu = t.of + (size_t)rows * t.nq;                            /* [rows, 2 * inter] */
+    t.act = t.gu + (size_t)rows * 2 * inter;                      /* [rows, inter] */
+    t.proj = t.act + (size_t)rows * inter;                        /* [rows, hidden] */
+    atomic_init(&t.rc, 0);
+    size_t n_items = 0;
+    for (int s = 0; s < S; s++) {
+        const int n = query_start[s + 1] - query_start[s];
+        if (n > 0) n_items += (size_t)(n + TILE_ROWS - 1) / TILE_ROWS;
+    }
+    if (grow((void **)&kept_items, &kept_items_cap, (n_items + 1) * sizeof(struct attn_item))) return -1;
+    t.items = kept_items;
+    int k = 0;
+    for (int s = 0; s < S; s++) { /* latest rows (most keys) first */
+        const int n = query_start[s + 1] - query_start[s];
+        for (int tile = (n + TILE_ROWS - 1) / TILE_ROWS - 1; tile >= 0; tile--)
+            t.items[k++] = (struct attn_item){s, -1, tile};
+    }
+    const int ri = row_items(rows);
+    run_items(f32_norm1_item, &t, ri);
+    f32_project(t.x, hidden, rows, w->qkv, t.nqkv, hidden, w->qkv_bias, t.qkv, t.nqkv);
+    run_items(f32_rope_item, &t, ri);
+    run_items(f32_attn_item, &t, k);
+    int rc = atomic_load(&t.rc);
+    if (rc) return rc;
+    f32_project(t.of, t.nq, rows, w->o, hidden, t.nq, NULL, t.proj, hidden);
+    run_items(f32_resid_norm2_item, &t, ri);
+    f32_project(t.x, hidden, rows, w->gate_up, 2 * inter, hidden, NULL, t.gu, 2 * inter);
+    run_items(f32_silu_item, &t, ri);
+    f32_project(t.act, inter, rows, w->down, hidden, inter, NULL, t.proj, hidden);
+    run_items(f32_resid_item, &t, ri);
+    return 0;
+}
+
+/* y [rows, n] = x [rows, k] . W [k, n] (+ bias [n]), float32: the head, and tests */
+void pdserve_f32_gemm(const float *x, int rows, const float *w, int n, int k, const float *bias, float *y) {
+    f32_project(x, k, rows, w, n, k, bias, y, n);
+}
+
+/* y [rows, n] = the Llama norm of x [rows, n] by weight w */
+void pdserve_f32_rms_norm(const float *x, int rows, const float *w, float eps, int n, float *y) {
+    for (int r = 0; r < rows; r++) f32_rms_norm_row(x + (size_t)r * n, w, eps, n, y + (size_t)r * n);
+}
+#else
+#define HAVE_F32_LAYER 0
+#endif
+
+int pdserve_f32_layer_available(void) { return HAVE_F32_LAYER; }
+
+/* bytes of scratch pdserve_llama_layer_f32 needs for `rows` rows */
+int64_t pdserve_f32_scratch_bytes(int rows, int hidden, int inter, int q_heads, int kv_heads, int head_dim) {
+    const int64_t nq = (int64_t)q_heads * head_dim, nqkv = nq + 2LL * kv_heads * head_dim;
+    return (int64_t)rows * (2LL * hidden + nqkv + 2 * nq + 3LL * inter) * 4 + 64;
+}

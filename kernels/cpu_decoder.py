@@ -42,7 +42,8 @@ _tried = False
 
 
 class LayerWeights(ctypes.Structure):
-    """The pointers of one layer's weights, as `pdserve_llama_layer` takes them (`struct layer_weights`)."""
+    """The pointers of one layer's weights, as `pdserve_llama_layer` and `pdserve_llama_layer_f32` take them
+    (`struct layer_weights`, `struct f32_layer_weights`: packed bfloat16, or float32 `[in, out]` in place)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down")]
 
@@ -61,6 +62,13 @@ def library() -> ctypes.CDLL | None:
             lib.pdserve_llama_layer.argtypes = [p, i32, i32, i32, p, f32, i32, i32, i32, p, p, p, i64, i64, i64, i64,
                                                 i64, p, p, i64, p, p, i32, i32, f32, p]
             lib.pdserve_llama_layer.restype = ctypes.c_int
+            lib.pdserve_llama_layer_f32.argtypes = lib.pdserve_llama_layer.argtypes
+            lib.pdserve_llama_layer_f32.restype = ctypes.c_int
+            lib.pdserve_f32_layer_available.restype = i32
+            lib.pdserve_f32_scratch_bytes.argtypes = [i32] * 6
+            lib.pdserve_f32_scratch_bytes.restype = i64
+            lib.pdserve_f32_gemm.argtypes = [p, i32, p, i32, i32, p, p]
+            lib.pdserve_f32_rms_norm.argtypes = [p, i32, p, f32, i32, p]
             lib.pdserve_use_amx.argtypes = [i32]
             lib.pdserve_use_amx.restype = i32
             lib.pdserve_native_threads.argtypes = [i32]
@@ -125,6 +133,32 @@ def pack(weight_t: Tensor) -> Tensor:
     out = torch.empty(((n + 31) // 32) * 32 * k, dtype=torch.bfloat16)
     library().pdserve_pack_bf16(w.data_ptr(), out.data_ptr(), n, k)
     return out
+
+
+def float32_available() -> bool:
+    """Whether the float32 layer (`pdserve_llama_layer_f32`, AVX2 + FMA or AVX-512) is built here."""
+    lib = library()
+    return lib is not None and bool(lib.pdserve_f32_layer_available())
+
+
+def gemm_f32(x: Tensor, weight_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`x [rows, k] @ weight_t [k, n] (+ bias)` in float32 by the native kernel: each output one FMA chain over
+    k in order, whatever the row count (the float32 layer's projections and head)."""
+    x, weight_t = x.contiguous(), weight_t.contiguous()
+    (rows, k), n = x.shape, weight_t.shape[1]
+    y = torch.empty(rows, n, dtype=torch.float32)
+    library().pdserve_f32_gemm(x.data_ptr(), rows, weight_t.data_ptr(), n, k,
+                               None if bias is None else bias.contiguous().data_ptr(), y.data_ptr())
+    return y
+
+
+def rms_norm_f32(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' Llama norm of each row of `x [rows, n]` in float32, its sum of squares in the layer's order."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    library().pdserve_f32_rms_norm(x.data_ptr(), x.shape[0], weight.contiguous().data_ptr(), eps, x.shape[1],
+                                   y.data_ptr())
+    return y
 
 
 def gemv(x: Tensor, packed: Tensor, n: int, bias: Tensor | None = None) -> Tensor:

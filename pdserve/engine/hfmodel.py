@@ -138,7 +138,7 @@ class HFPagedModel(nn.Module):
         self._plan = StepPlan()  # shared by every CpuLinear (CPU models): empty until a calibration sets it
         for m in self._cpu_linears():
             m.plan = self._plan
-        self.native = None  # a NativeDecoder (engine/native.py) for small bfloat16 CPU steps, if set
+        self.native = None  # a NativeDecoder (engine/native.py) for bfloat16 or float32 CPU steps, if set
         self._before_layer: list = []  # add_layer_hooks: callables of the layer index, either path calls them
         self._after_layer: list = []
         self._own_hooks = 0  # module hooks per layer that are add_layer_hooks' dispatchers, not someone else's
@@ -289,7 +289,7 @@ class HFPagedModel(nn.Module):
                 # a tied head's [out, in] layout is the embedding table itself
                 add_small_step_layouts(hf, {hf.get_output_embeddings(): embed.weight.detach()} if tied else None)
         model = cls(hf, attention_impl)
-        if torch.device(device).type == "cpu" and small_step_weights and dtype == torch.bfloat16:
+        if torch.device(device).type == "cpu" and small_step_weights and dtype in (torch.bfloat16, torch.float32):
             from pdserve.engine.native import NativeDecoder
 
             model.native = NativeDecoder.from_model(model)

@@ -1,16 +1,18 @@
-"""Small bfloat16 steps of Llama-style models on the CPU, one native call per decoder layer.
+"""Steps of Llama-style models on the CPU, bfloat16 or float32, one native call per decoder layer.
 
-`NativeDecoder` packs an `HFPagedModel`'s decoder layers for `kernels/cpu_decoder.c` and runs a step of up
-to `max_rows` rows (1024: `kernels/cpu_decoder.py`) through them, keeping from
-transformers only the embedding, the rotary tables, the final norm and the head.
+`NativeDecoder` hands an `HFPagedModel`'s decoder layers to `kernels/cpu_decoder.c` (bfloat16: weights packed
+for its GEMV; float32: the model's own `[in, out]` weights, read in place) and runs a step of up to `max_rows`
+rows (1024: `kernels/cpu_decoder.py`) through them, keeping from transformers only the embedding, the rotary
+tables, the final norm (bfloat16) and the head.
 
 Which models: an architecture whose decoder layer is exactly pre-norm attention and a SiLU-gated MLP
 with transformers' Llama norm (`NATIVE_TYPES`; q/k/v biases allowed, as Qwen2 has), every layer full
-attention with no soft cap or sinks, in bfloat16 on a CPU with AVX512-BF16 or AVX2 + FMA, the C compiler present, and
-`PDSERVE_NATIVE_DECODE` not "0". `from_model` returns None (and says why at debug level) for anything
-else, which keeps transformers' forward. The layers compute what transformers' bfloat16 forward does up to
-the summation order of matmuls and reductions: as close to float32 as it is (tests/test_kernel_cpu_decoder.py),
-and the same, bit for bit, on any thread count.
+attention with no soft cap or sinks, in bfloat16 or float32 on a CPU with AVX512-BF16 or AVX2 + FMA, the kernels
+prebuilt or a C compiler present, and `PDSERVE_NATIVE_DECODE` not "0". `from_model` returns None (and says why at
+debug level) for anything else, which keeps transformers' forward. The layers compute what transformers'
+forward does up to the summation order of matmuls and reductions (tests/test_kernel_cpu_decoder.py), and that
+order is fixed by a row's position alone: a sequence's logits are the same bits whatever its batch, its chunking,
+its cached prefix or the thread count (tests/test_invariance.py).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from pdserve.engine.cpustep import CpuLinear, FusedMember, FusedRMSNorm
-from pdserve.kernels.cpu_decoder import LayerWeights, gemv, library, max_rows, pack
+from pdserve.kernels.cpu_decoder import (LayerWeights, float32_available, gemm_f32, gemv, library, max_rows, pack,
+                                         rms_norm_f32)
 
 log = logging.getLogger("pdserve.engine.native")
 
@@ -50,8 +53,11 @@ def _why_not(model) -> str | None:
         return "its MLP is not a bias-free SiLU-gated one"
     if any(model.layer_windows) or any(a.softcap or a.sinks for a in model.attention):
         return "a layer has a sliding window, a soft cap or sinks"
-    if next(model.hf.parameters()).dtype != torch.bfloat16 or next(model.hf.parameters()).device.type != "cpu":
-        return "not bfloat16 on the CPU"
+    dtype, device = next(model.hf.parameters()).dtype, next(model.hf.parameters()).device
+    if dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu":
+        return f"{dtype} on {device}: the native layers are bfloat16 or float32 on the CPU"
+    if dtype == torch.float32 and library() is not None and not float32_available():
+        return "the float32 layer is not built here (it needs AVX2 + FMA)"
     if model.head_dim > 512 or model.head_dim % 2:
         return f"head_dim {model.head_dim}"
     if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
@@ -89,28 +95,40 @@ class NativeDecoder:
         self.hidden = int(cfg.hidden_size)
         self.inter = int(cfg.intermediate_size)
         self.eps = _llama_norm(model.layers[0].input_layernorm)[1]
+        self.dtype = next(model.hf.parameters()).dtype
+        f32 = self.dtype == torch.float32
+        # float32 reads each projection's own weight_t [in, out] in place; bfloat16 packs a copy for its GEMV
+        layout = (lambda w: w.detach().contiguous()) if f32 else pack
         self._packed: list[Tensor] = []  # owns every buffer a layer's struct points at
         self.weights: list[LayerWeights] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = attn.q_proj.group.linear
             ln1, ln2 = (_llama_norm(n)[0].detach() for n in (layer.input_layernorm, layer.post_attention_layernorm))
-            bufs = dict(ln1=ln1, qkv=pack(qkv.weight_t), o=pack(attn.o_proj.weight_t), ln2=ln2,
-                        gate_up=pack(mlp.gate_proj.group.linear.weight_t), down=pack(mlp.down_proj.weight_t))
+            bufs = dict(ln1=ln1, qkv=layout(qkv.weight_t), o=layout(attn.o_proj.weight_t), ln2=ln2,
+                        gate_up=layout(mlp.gate_proj.group.linear.weight_t), down=layout(mlp.down_proj.weight_t))
             if qkv.bias is not None:
                 bufs["qkv_bias"] = qkv.bias.detach().contiguous()
             self._packed += bufs.values()
             self.weights.append(LayerWeights(**{k: v.data_ptr() for k, v in bufs.items()}))
         # The head through the same GEMV: oneDNN's bf16 matmul took 9 of a 16-row step's 39 ms on SmolLM2's
-        # 49152 x 576 head here, the GEMV 3 (one more copy of the head's weights, 57 MB there).
+        # 49152 x 576 head here, the GEMV 3 (one more copy of the head's weights, 57 MB there). In float32 the
+        # head's own weight_t, so its logits are row-invariant too.
         head = self.hf.lm_head
         self.vocab = None
-        if isinstance(head, CpuLinear) and head.weight_t.dtype == torch.bfloat16 and head.weight_t.shape[0] % 2 == 0:
+        if isinstance(head, CpuLinear) and head.weight_t.dtype == self.dtype and (f32 or head.weight_t.shape[0] % 2 == 0):
             self.vocab = int(head.weight_t.shape[1])
-            self._head = pack(head.weight_t.detach())
-            self._head_bias = None if head.bias is None else head.bias.detach().to(torch.bfloat16).contiguous()
+            self._head = layout(head.weight_t)
+            self._head_bias = None if head.bias is None else head.bias.detach().to(self.dtype).contiguous()
+        self._final_norm = _llama_norm(model.hf.model.norm)
         nq, nkv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        self._scratch_per_row = 2 * (2 * self.hidden + nq + 2 * nkv + nq + 3 * self.inter) + 4 * 2 * nq
+        if f32:
+            self._layer = lib.pdserve_llama_layer_f32
+            self._scratch_per_row = lib.pdserve_f32_scratch_bytes(1, self.hidden, self.inter, self.q_heads,
+                                                                  self.kv_heads, self.head_dim)
+        else:
+            self._layer = lib.pdserve_llama_layer
+            self._scratch_per_row = 2 * (2 * self.hidden + nq + 2 * nkv + nq + 3 * self.inter) + 4 * 2 * nq
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
     @classmethod
@@ -119,7 +137,7 @@ class NativeDecoder:
         if why is None and library() is None:
             why = "the native kernel is not built here"
         if why is not None:
-            log.debug("bfloat16 steps run transformers' forward: %s", why)
+            log.debug("steps run transformers' forward: %s", why)
             return None
         return cls(model, library())
 
@@ -131,7 +149,7 @@ class NativeDecoder:
         rows = input_ids.shape[0]
         h = inner.embed_tokens(input_ids).contiguous()
         cos, sin = inner.rotary_emb(h[None], positions[None])
-        cos, sin = cos[0].to(torch.bfloat16).contiguous(), sin[0].to(torch.bfloat16).contiguous()
+        cos, sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
         need = rows * self._scratch_per_row + 256
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
@@ -142,7 +160,7 @@ class NativeDecoder:
         starts = b.query_start.to(torch.int32).contiguous()
         num_blocks, _, _, block_size, _ = kv.shape[1:]
         s_block, s_kv, s_head, s_tok, _ = kv[0].stride()
-        call = self.lib.pdserve_llama_layer
+        call = self._layer
         self.lib.pdserve_native_threads(torch.get_num_threads())  # the prefill worker's count grows on a lent core
         args = (self.eps, self.q_heads, self.kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr())
         tail = (s_kv, s_head, s_block, s_tok, num_blocks, slots.data_ptr(), tables.data_ptr(), tables.stride(0),
@@ -157,7 +175,11 @@ class NativeDecoder:
                 raise IndexError(f"block_tables of sequence {rc - 1} name a block outside the pool's {num_blocks}")
             if hooks is not None:
                 hooks.after_layer(i)
-        x = inner.norm(h.index_select(0, logits_index))
+        x = h.index_select(0, logits_index)
+        if self.dtype == torch.float32:
+            x = rms_norm_f32(x, *self._final_norm)
+            return self.hf.lm_head(x) if self.vocab is None else gemm_f32(x, self._head, self._head_bias)
+        x = inner.norm(x)
         if self.vocab is None:
             return self.hf.lm_head(x).float()
         return gemv(x, self._head, self.vocab, self._head_bias).float()
@@ -168,8 +190,9 @@ class NativeDecoder:
         return max_rows()
 
     def supports(self, kv: Tensor, rows: int) -> bool:
-        """Whether a step of `rows` rows over the pool `kv` runs here: few rows, a bfloat16 CPU pool."""
-        return rows <= max_rows() and kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and kv.stride(-1) == 1
+        """Whether a step of `rows` rows over the pool `kv` runs here: at most `max_rows`, a CPU pool of the
+        layers' dtype."""
+        return rows <= max_rows() and kv.dtype == self.dtype and kv.device.type == "cpu" and kv.stride(-1) == 1
 
     def release_layer_layouts(self) -> None:
         """Drop the decoder layers' extra CpuLinear layouts ("rows", "packed"): the steps they served run here
