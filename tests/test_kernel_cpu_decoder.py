@@ -1,4 +1,4 @@
-"""The native bfloat16 decoder layer (`kernels/cpu_decoder.c`) against transformers' bfloat16 forward.
+"""The native decoder layers (`kernels/cpu_decoder.c`) against transformers' forward, bfloat16 and float32.
 
 Two bfloat16 computations of one model round differently (here the matmuls sum in another order), so
 they are compared by how far each is from the float32 forward: the native step must be as close to
@@ -8,6 +8,10 @@ ragged steps. The GEMV is
 checked against a float32 matmul of the same bfloat16 numbers. The "vector" path is AVX512-BF16 where the CPU
 has it, else AVX2 + FMA (the same packed weights widened in registers); "amx" runs where AMX does. Everything
 is skipped on a CPU with neither (or without a C compiler), where the engine keeps transformers' forward.
+
+The float32 layer computes transformers' float32 forward in another summation order (each output one FMA chain
+over its inputs): its logits are compared with transformers' float32 ones relative to their scale, and its greedy
+tokens must be theirs.
 """
 from __future__ import annotations
 
@@ -71,11 +75,73 @@ def test_gemv_computes_the_bfloat16_product(rows, n, k, bias, projection_path):
     assert torch.equal(cpu_decoder.gemv(x[:1], packed, n, b).float(), got[:1])
 
 
+needs_float32 = pytest.mark.skipif(not cpu_decoder.float32_available(),
+                                   reason="no AVX2 + FMA, or no C compiler: the float32 layer is not built here")
+
+
+@needs_float32
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 33])
+@pytest.mark.parametrize("n,k,bias", [(128, 64, False), (40, 33, True), (300, 130, False), (960, 576, True)])
+def test_the_float32_gemm_is_the_product_and_a_row_never_depends_on_its_neighbours(rows, n, k, bias):
+    """Output counts under, past and between the wide (128 or 32 outputs) and narrow tiles, odd input counts, row
+    counts past a pass (3) and a narrow tile's rows (8 or 6); against a float64 product of the same numbers, and
+    every row bit for bit the same computed alone."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    w = torch.randn(k, n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    got = cpu_decoder.gemm_f32(x, w, b)
+    want = x.double() @ w.double() + (b.double() if bias else 0)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    # float32 sums of k products: a few units in the last place of the largest partial sum
+    scale = (x.double().abs() @ w.double().abs()) + (b.double().abs() if bias else 0)
+    assert ((got.double() - want).abs() <= scale * k * 2 ** -23).all()
+    for r in range(rows):
+        assert torch.equal(cpu_decoder.gemm_f32(x[r:r + 1], w, b), got[r:r + 1]), f"row {r} of {rows}"
+
+
+def _float32_runners(model_dir):
+    """The native float32 layers, and transformers' own float32 forward (no native layers: small_step_weights
+    off), over the same checkpoint."""
+    native = PagedRunner(model_dir, dtype=torch.float32, num_blocks=64, prefix_cache=False)
+    exact = PagedRunner(model_dir, dtype=torch.float32, num_blocks=64, prefix_cache=False, small_step_weights=False)
+    assert native.model.native is not None and exact.model.native is None
+    return native, exact
+
+
+def _compare_float32(model_dir, prompts: list[list[int]], text_ids: list[int]):
+    """Prompts, then 24 steps of real text (one row, a verification, a ragged batch): every logit within 1e-5 of
+    the float32 logits' scale (a wrong rotary, norm or bias is 10-100%), every greedy token the same."""
+    native, exact = _float32_runners(model_dir)
+    at, worst = 0, 0.0
+
+    def check(got, want):
+        nonlocal worst
+        err = float((got - want).abs().max() / want.abs().max())
+        worst = max(worst, err)
+        assert err <= 1e-5, f"float32 logits differ by {err:.2g} of their scale"
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+    with torch.inference_mode():
+        check(*(torch.stack([r.prefill(i, p) for i, p in enumerate(prompts)]) for r in (native, exact)))
+        for shape in _STEP_SHAPES:
+            batch = []
+            for i, n in enumerate(shape):
+                batch.append((i, [text_ids[(at + j) % len(text_ids)] for j in range(n)]))
+                at += n
+            check(*(torch.cat(r.step(batch)) for r in (native, exact)))
+            for r in (native, exact):
+                for i, p in enumerate(prompts):
+                    r.rollback(i, len(p))
+    return worst
+
+
 def _runners(model_dir):
     native = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False)
     torch_bf16 = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False,
                              small_step_weights=False)
-    exact = PagedRunner(model_dir, dtype=torch.float32, num_blocks=64, prefix_cache=False)
+    # the reference: transformers' own float32 forward (small_step_weights=False builds no native layers)
+    exact = PagedRunner(model_dir, dtype=torch.float32, num_blocks=64, prefix_cache=False, small_step_weights=False)
     return native, torch_bf16, exact
 
 
@@ -141,6 +207,22 @@ def test_native_steps_of_tiny_llama_and_qwen2(family, tmp_path, model_dir, token
              tokenizer.encode(_STEP_TEXT))
 
 
+@needs_float32
+def test_native_float32_steps_of_the_real_model_are_transformers_float32_to_rounding(model_dir, tokenizer):
+    prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def add(a, b):\n    return",
+                                             "Once upon a time, in a land far away, there lived a")]
+    _compare_float32(model_dir, prompts, tokenizer.encode(_STEP_TEXT))
+
+
+@needs_float32
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_native_float32_steps_of_tiny_llama_and_qwen2(family, tmp_path, model_dir, tokenizer):
+    ckpt = make_tiny(family, tmp_path, model_dir)
+    _compare_float32(ckpt, [tokenizer.encode("The quick brown fox jumps over the lazy dog")[:9],
+                            tokenizer.encode("Once upon a time"), tokenizer.encode("def add(a, b):\n    return a + b")],
+                     tokenizer.encode(_STEP_TEXT))
+
+
 @needs_native
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "qwen3"])
 def test_models_the_layer_does_not_compute_keep_transformers_forward(family, tmp_path, model_dir):
@@ -151,19 +233,24 @@ def test_models_the_layer_does_not_compute_keep_transformers_forward(family, tmp
 
 
 @needs_native
-def test_module_hooks_and_large_steps_go_to_transformers(model_dir, tokenizer):
-    """A module hook on a layer sees transformers' layers only, and steps past the native rows are
-    compute-bound: both keep transformers' forward (seen here by the native forward never being called)."""
-    r = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=128)
+def test_module_hooks_go_to_transformers_and_large_steps_run_natively_in_parts(model_dir, tokenizer):
+    """A module hook on a layer sees transformers' layers only: such a step keeps transformers' forward. A step of
+    more rows than a native call takes runs natively in consecutive calls (seen by the native forward's calls),
+    and its logits are those of the same prompt computed in chunks."""
+    r = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=256)
     calls = []
     native_forward = r.model.native.forward
     r.model.native.forward = lambda *a: calls.append(a[0].shape[0]) or native_forward(*a)
     ids = tokenizer.encode("Once upon a time, in a land far away, there lived a king who had three daughters. "
                            * (16 if cpu_decoder.max_rows() < 256 else 60))
-    assert len(ids) > cpu_decoder.max_rows()
+    top = cpu_decoder.max_rows()
+    assert len(ids) > top
     with torch.inference_mode():
-        r.prefill("a", ids)
-        assert calls == []
+        whole = r.prefill("a", ids, reuse_prefix=False)
+        assert calls == [top, len(ids) - top]
+        chunked = r.prefill("b", ids, chunk_size=100, reuse_prefix=False)
+        assert torch.equal(whole, chunked)
+        calls.clear()
         r.step([("a", [5])])
         assert calls == [1]
         handle = r.model.layers[0].register_forward_hook(lambda *a: None)

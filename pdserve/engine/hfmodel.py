@@ -249,12 +249,38 @@ class HFPagedModel(nn.Module):
         Returns logits `[N, vocab]` float32.
         """
         native = self.native
-        if native is not None and native.supports(kv, input_ids.shape[0]) and not self._foreign_hooks():
+        if native is not None and not self._foreign_hooks():
             # a module hook sees transformers' layers only; add_layer_hooks' callbacks the native layers call too
-            return native.forward(input_ids, positions, kv, batch, logits_index, self)
+            if native.supports(kv, input_ids.shape[0]):
+                return native.forward(input_ids, positions, kv, batch, logits_index, self)
+            if native.supports(kv, 1) and not (self._before_layer or self._after_layer):
+                # more rows than a native call takes: in consecutive calls (each row's arithmetic is fixed by its
+                # position, so its logits do not change), not transformers' forward, whose GEMMs round by row
+                # count. Not with layer callbacks: a layer's KV would be streamed before all its rows exist.
+                return self._native_in_parts(input_ids, positions, kv, batch, logits_index)
         out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                       logits_to_keep=logits_index, pdserve_step=_Step(kv, batch, self.attention_impl))
         return out.logits[0].float()
+
+    def _native_in_parts(self, input_ids: Tensor, positions: Tensor, kv: Tensor, batch: PagedBatch,
+                         logits_index: Tensor) -> Tensor:
+        """`forward` through the native layers in calls of at most `max_rows` rows, in row order: a part sees
+        its sequences as ending at its last row (seq_lens cut back), so later parts read the KV earlier ones
+        wrote. logits_index must be ascending (as `PagedRunner.step` makes it)."""
+        native, rows = self.native, input_ids.shape[0]
+        qs = batch.query_start.to(torch.int64)
+        lens = batch.seq_lens.to(torch.int64)
+        out = []
+        for a in range(0, rows, native.max_rows):
+            b = min(rows, a + native.max_rows)
+            start, end = qs[:-1].clamp(a, b), qs[1:].clamp(a, b)
+            part = PagedBatch(
+                slot_mapping=batch.slot_mapping[a:b], block_tables=batch.block_tables,
+                seq_lens=(lens - (qs[1:] - end)).to(batch.seq_lens.dtype),
+                query_start=torch.cat([start[:1], end]).sub(a).to(batch.query_start.dtype), runs=batch.runs)
+            keep = logits_index[(logits_index >= a) & (logits_index < b)] - a
+            out.append(native.forward(input_ids[a:b], positions[a:b], kv, part, keep, self))
+        return torch.cat(out)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
