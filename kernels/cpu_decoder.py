@@ -1,4 +1,4 @@
-"""The native bfloat16 decoder layer (`cpu_decoder.c`): its build, its weight packing, its GEMV.
+"""The native decoder layers (`cpu_decoder.c`), bfloat16 and float32: their build, weight packing and GEMV.
 
 At one to a few rows a transformers decoder layer is some forty torch ops and their Python around
 matmuls that are themselves short: on a 2-core AMD EPYC, SmolLM2-135M's one-row step took 48 ms in the
@@ -6,8 +6,9 @@ decode worker, of which oneDNN's matmul kernels ran ~19 (perf). `pdserve_llama_l
 layer's whole forward in C — norms, projections (AVX512-BF16 GEMVs over weights packed for them, `pack`; on a
 CPU without it, AVX2 + FMA GEMVs that widen the same packed weights in registers; or
 AMX tiles over the same packing where the CPU has them),
-rotary embedding (the model's own cos/sin tables), the K/V write, paged attention, SiLU. Which models it
-serves and how a step calls it: `pdserve.engine.native`. Built like the attention kernel
+rotary embedding (the model's own cos/sin tables), the K/V write, paged attention, SiLU. `pdserve_llama_layer_f32`
+is the same layer for float32 models over float32 pools (AVX2 + FMA or AVX-512), reading the model's own weights
+in place. Which models it serves and how a step calls it: `pdserve.engine.native`. Built like the attention kernel
 (`cpu_attention.build_library`); `PDSERVE_NATIVE_DECODE=0` leaves it unbuilt, as does a CPU or compiler
 with neither AVX512-BF16 nor AVX2 + FMA.
 """
@@ -78,7 +79,8 @@ def library() -> ctypes.CDLL | None:
             lib.pdserve_native_threads_in_use.restype = i32
             lib.pdserve_native_isa.restype = ctypes.c_char_p
             lib.pdserve_use_amx(int(os.environ.get("PDSERVE_NATIVE_AMX", "1") != "0"))
-            log.info("native bfloat16 steps on %s", lib.pdserve_native_isa().decode())
+            log.info("native steps on %s (bfloat16%s)", lib.pdserve_native_isa().decode(),
+                     " and float32" if lib.pdserve_f32_layer_available() else "")
             _lib = lib
         elif lib is not None:
             log.info("this CPU (or compiler) has neither AVX512-BF16 nor AVX2 with FMA: bfloat16 steps run "

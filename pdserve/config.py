@@ -240,7 +240,7 @@ class PrefillConfig(WorkerConfig):
         None, ge=0, description="conditional disaggregation: offer a new prompt to its decode worker uncomputed "
                                 "(decode computes it inside its own steps) when at least this many prompt tokens "
                                 "wait here ahead of it and decode's own queue of such prompts is shorter; 0: never; "
-                                "default: 256 on a GPU, 512 on a CPU whose steps run the native bfloat16 decoder "
+                                "default: 256 on a GPU, 512 on a CPU whose steps run the native decoder "
                                 "(a decode step and a prompt chunk are one native forward there), 0 on other CPUs "
                                 "(there the two cost what they cost apart)")
     kv: KVSendConfig = Field(default_factory=KVSendConfig)
@@ -265,7 +265,7 @@ class DecodeConfig(WorkerConfig):
     local_prefill_chunk: int | None = Field(
         None, ge=0, description="prompts prefill hands over uncomputed (its queue is long): most of their tokens "
                                 "computed in one decode step beside the running sequences (0: refuse such prompts; "
-                                "default: 256 where steps run the native bfloat16 CPU decoder, else 64)")
+                                "default: 256 where steps run the native CPU decoder, else 64)")
     spec: SpeculationConfig = Field(default_factory=SpeculationConfig)
     kv: KVReceiveConfig = Field(default_factory=KVReceiveConfig)
 

@@ -386,10 +386,10 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--defer-queue-tokens", type=int, default=None,
                    help="prefill hands a prompt queued behind this many prompt tokens to decode uncomputed, "
                         "if decode's own queue of such prompts is shorter (0: never; default: 256 on GPUs, 512 on "
-                        "CPUs running the native bfloat16 decoder, else 0)")
+                        "CPUs running the native decoder, else 0)")
     w.add_argument("--local-prefill-chunk", type=int, default=None,
                    help="most tokens of such a prompt per decode step beside running sequences (0: decode takes "
-                        "none; default: 256 on the native bfloat16 CPU decoder, else 64)")
+                        "none; default: 256 on the native CPU decoder, else 64)")
     w.add_argument("--cpu-lease", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill-i borrows decode-i's threads for prompt steps while decode-i is idle "
                         "(pdserve.cpulease; default: on)")

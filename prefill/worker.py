@@ -87,7 +87,7 @@ LEASE_MIN_TOKENS = 64
 # How often a pre-positioning hint that waits for a busy co-located decode worker looks again.
 HINT_RECHECK_S = 0.05
 DEFER_QUEUE_TOKENS_GPU = 256  # --defer-queue-tokens on a GPU: a prompt behind one prefill chunk's worth goes to decode
-DEFER_QUEUE_TOKENS_NATIVE = 512  # … on a CPU whose steps run the native bfloat16 decoder: behind one full prefill step
+DEFER_QUEUE_TOKENS_NATIVE = 512  # … on a CPU whose steps run the native decoder: behind one full prefill step
 HANDOFF_REROUTES = 3  # offers to the model's queue group after the routed decode worker did not take one
 
 

@@ -215,9 +215,11 @@ def test_decode_killed_while_computing_a_handed_over_prompt_is_a_lost_worker(clu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_defaults_defer_where_a_chunk_rides_in_decode_s_native_step(model_dir, dtype):
     """Left unset, prefill defers prompts behind 512 queued tokens and decode computes 256 of them a step where
-    the workers' steps run the native bfloat16 CPU decoder (a chunk beside decode's rows is one forward at the
-    projections' rate there); through transformers' forward (float32, or no AVX512-BF16) none is deferred and
-    decode's chunk stays 64. Given values are kept either way."""
+    the workers' steps run the native CPU decoder, bfloat16 or float32 (a chunk beside decode's rows is one
+    forward at the projections' rate there); through transformers' forward (no AVX2 + FMA, no kernels) none is
+    deferred and decode's chunk stays 64. Given values are kept either way."""
+    from pdserve.kernels import cpu_decoder
+
     from pdserve.config import DecodeConfig, PrefillConfig, load
     from pdserve.decode.worker import DecodeWorker
     from pdserve.prefill.worker import PrefillWorker
@@ -228,7 +230,7 @@ def test_the_defaults_defer_where_a_chunk_rides_in_decode_s_native_step(model_di
     native = prefill.engine.native_rows() > 0
     assert native == (decode.engine.native_rows() > 0)
     if dtype == "float32":
-        assert not native
+        assert native == cpu_decoder.float32_available()
     assert (prefill.defer_tokens, decode.local_chunk) == ((512, 256) if native else (0, 64))
     given = PrefillWorker(load(PrefillConfig, [*common, "--defer-queue-tokens", "0"], environ={}))
     assert given.defer_tokens == 0

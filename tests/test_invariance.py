@@ -1,8 +1,9 @@
-"""Same request, same answer, at bfloat16: a sequence's logits are the same bits however the engine computed it.
+"""Same request, same answer, at bfloat16 and float32: a sequence's logits are the same bits however the engine computed it.
 
-On the native decoder (AVX512-BF16 or AVX2 + FMA), every reduction of a row is fixed by its position alone:
-the GEMV sums each output in input order whatever the row count, the attention of a prompt chunk's row scores
-its keys in the decode kernel's order (`cpu_chunk_attention.c`), the norms and softmax reduce in fixed trees.
+On the native decoder (AVX512-BF16 or AVX2 + FMA; float32: AVX2 + FMA), every reduction of a row is fixed by its
+position alone: the GEMV sums each output in input order whatever the row count, the attention of a prompt
+chunk's row scores its keys in the decode kernel's order (`cpu_chunk_attention.c`; in float32 every row takes
+the decode kernel), the norms and softmax reduce in fixed trees.
 So a prompt computed in one step, in chunks of 17 or 64 (crossing the 16-row tiles and the KV blocks), behind a
 cached prefix, or in the same step as another sequence's decode row gives the same logits, and so does a decode
 row alone or in a batch of 3, 16 or 64. Token ids follow from logits, so these compare the logits themselves:
@@ -17,14 +18,15 @@ import torch
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def runner(model_dir):
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def runner(model_dir, request):
     from pdserve.engine.runner import PagedRunner
 
     torch.set_num_threads(1)
-    r = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=1024)
+    r = PagedRunner(model_dir, dtype=getattr(torch, request.param), num_blocks=1024)
     if not r.native_rows():
-        pytest.skip("no native decoder on this CPU: transformers' forward serves, and its GEMMs are not row-invariant")
+        pytest.skip(f"no native {request.param} decoder on this CPU: transformers' forward serves, and its GEMMs "
+                    "are not row-invariant")
     return r
 
 
@@ -93,3 +95,29 @@ def test_a_decode_row_gets_the_same_logits_alone_and_in_batches_of_3_16_and_64(r
     finally:
         r.free("seq")
         r.free("base")
+
+
+def test_a_sequence_recomputed_as_a_prompt_gets_the_logits_its_decode_steps_had(runner):
+    """Preemption drops a sequence's KV and recomputes its prompt and generated tokens as one prompt later (and a
+    multi-turn conversation brings an answer back as prompt): the rows its decode steps computed one at a time
+    are the same bits as the same positions computed in a prompt, whole or in chunks."""
+    r = runner
+    prompt = _prompt(r, 130, seed=11)
+    try:
+        first = int(r.prefill("seq", prompt, reuse_prefix=False).reshape(-1, r.vocab_size)[-1].argmax())
+        steps = _decode(r, "seq", first, 6)
+        generated = [first] + [int(lg.argmax()) for lg in steps[:-1]]  # the tokens the 6 steps were fed
+        for name, chunk in (("whole", None), ("chunks", 37)):
+            sid = ("again", name)
+            last = r.prefill(sid, prompt + generated, chunk_size=chunk, reuse_prefix=False)
+            assert torch.equal(last.reshape(-1), steps[-1].reshape(-1)), f"recomputed {name}: the last row differs"
+            r.free(sid)
+        # and every decode row against the same positions of one prompt step
+        r.start("rows", prompt + generated[:-1], reuse_prefix=False)
+        (rows,) = r.step([("rows", prompt + generated[:-1])])
+        for j, lg in enumerate(steps[:-1]):
+            assert torch.equal(rows[len(prompt) + j], lg.reshape(-1)), f"decode step {j} differs from its prompt row"
+    finally:
+        for sid in ("seq", "rows"):
+            if sid in r:
+                r.free(sid)
