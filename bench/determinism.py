@@ -14,6 +14,8 @@ greedy tokens are compared with the reference's, token id for token id:
             decode's step, as conditional disaggregation does)
   spec4     decoded by verification steps of 5 rows (the reference's next 4 tokens as drafts, as a
             speculative step that accepts them)
+  recompute half the tokens decoded, then the sequence dropped and its prompt and those tokens computed again
+            as one prompt (preemption's recomputation, or a conversation's next turn), then decoded on
 
 Printed: per path, how many prompts' tokens differ from the reference and the mean first position of a
 difference. The engine is `PagedRunner` on one thread; which kernels serve depends on the CPU (the native
@@ -29,7 +31,7 @@ import sys
 
 import torch
 
-PATHS = ("cached", "chunk64", "chunk17", "batch3", "batch16", "mixed", "spec4")
+PATHS = ("cached", "chunk64", "chunk17", "batch3", "batch16", "mixed", "spec4", "recompute")
 
 
 def greedy(logits: torch.Tensor) -> int:
@@ -92,6 +94,11 @@ def run(r, prompts: list[list[int]], tokens: int) -> dict:
                 accepted += 1
             r.rollback(sid, len(prompt) + len(out) - 1)
         got["spec4"] = out[:tokens]
+        sid = ("recompute", i)
+        half = decode_alone(r, sid, greedy(r.prefill(sid, prompt, reuse_prefix=False)), tokens // 2)
+        r.free(sid)
+        again = greedy(r.prefill(sid, prompt + half[:-1], reuse_prefix=False))
+        got["recompute"] = half[:-1] + decode_alone(r, sid, again, tokens - len(half) + 1)
         for name, toks in got.items():
             if toks != ref:
                 diffs[name].append(next(j for j, (a, b) in enumerate(zip(toks, ref)) if a != b))
