@@ -385,6 +385,10 @@ static int paged_attention(const float *q, const uint16_t *qb, int64_t ldq, floa
         const int32_t *table = block_tables + (int64_t)s * bt_stride;
         int first = 0;
         if (window > 0 && len - n - window + 1 > first) first = len - n - window + 1;
+        /* from a multiple of LANES: a key's lane in the softmax's sum is then its position's, so a row's sum never
+         * depends on where its call's rows begin (a prompt in chunks, a decode row alone); the keys before the
+         * window are masked like any the row does not see */
+        first -= first % LANES;
         const int keys = len - first, R = n * group;
         int bad = 0;
         for (int b = first / block_size; b <= (len - 1) / block_size; b++)

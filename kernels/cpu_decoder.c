@@ -772,8 +772,15 @@ static void round_row(const float *x, bf16 *y, int n) {
 
 /* ---- the layer --------------------------------------------------------------------------------------------- */
 
+/* A layer's weights and what sets its attention apart: per-head RMS norms of q and k before the rotary (Qwen3;
+ * NULL: none), a sliding window of `window` keys (<= 0: full attention), a soft cap of the scores (<= 0: none),
+ * and one sink logit per query head (gpt-oss; NULL: none). The float32 layer's struct has the same fields. */
 struct layer_weights {
     const bf16 *ln1, *qkv, *qkv_bias, *o, *ln2, *gate_up, *down;
+    const bf16 *q_norm, *k_norm;
+    const float *sinks;
+    int window;
+    float softcap;
 };
 
 #define ROWS_PER_ITEM 4 /* elementwise items: a few rows each (a row is a microsecond or less) */
@@ -815,7 +822,11 @@ static void rope_item(const void *ctx, int i) {
     FOR_ROWS(t, i, r) {
         bf16 *row = t->qkv + (size_t)r * t->nqkv;
         const bf16 *c = t->cos + (size_t)r * D, *s = t->sin + (size_t)r * D;
-        for (int hd = 0; hd < t->q_heads + t->kv_heads; hd++) rotary(row + (size_t)hd * D, c, s, D);
+        for (int hd = 0; hd < t->q_heads + t->kv_heads; hd++) {
+            const bf16 *norm = hd < t->q_heads ? t->w->q_norm : t->w->k_norm;
+            if (norm) rms_norm_row(row + (size_t)hd * D, norm, t->eps, D, row + (size_t)hd * D);
+            rotary(row + (size_t)hd * D, c, s, D);
+        }
         widen_row(row, t->qf + (size_t)r * t->nq, t->nq);
         const int64_t slot = t->slots[r], blk = slot / t->block_size, off = slot % t->block_size;
         for (int g = 0; g < t->kv_heads; g++) {
@@ -863,7 +874,8 @@ static void attn_item(const void *ctx, int i) {
                                                   t->s_block, t->s_tok, t->num_blocks,
                                                   t->block_tables + (int64_t)s * t->bt_stride, t->bt_stride,
                                                   &seen, rows, 1, t->q_heads, t->kv_heads, D,
-                                                  t->block_size, t->scale, 0, 0.0f, NULL);
+                                                  t->block_size, t->scale, t->w->window, t->w->softcap,
+                                                  t->w->sinks);
         if (rc) atomic_store(&t->rc, rc == 1 ? 1 + s : rc);
         return;
     }
@@ -928,7 +940,9 @@ static int grow(void **buf, size_t *cap, size_t need) {
  * whole-sequence calls compute them, so a prompt's logits do not depend on how it was split or cached). */
 static int plan_attention(struct layer_task *t, int S, int *n_items, int *n_chunk) {
 #if defined(HAVE_BF16_DOT)
-    const int D = t->head_dim, chunks_ok = D % 32 == 0 && D <= MAX_D;
+    /* the chunk kernel computes full attention only: windows, soft caps and sinks take the decode kernel */
+    const int D = t->head_dim, chunks_ok = D % 32 == 0 && D <= MAX_D && t->w->window <= 0 && t->w->softcap <= 0.0f &&
+                                          !t->w->sinks;
 #else
     const int chunks_ok = 0;
 #endif
@@ -1251,8 +1265,12 @@ static void f32_rotary(const float *x, const float *cos, const float *sin, int d
     for (int i = half; i < d; i++) dst[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
-struct f32_layer_weights {
-    const float *ln1, *qkv, *qkv_bias, *o, *ln2, *gate_up, *down; /* projections [in, out] */
+struct f32_layer_weights { /* as struct layer_weights; projections [in, out] */
+    const float *ln1, *qkv, *qkv_bias, *o, *ln2, *gate_up, *down;
+    const float *q_norm, *k_norm;
+    const float *sinks;
+    int window;
+    float softcap;
 };
 
 struct f32_task {
@@ -1284,12 +1302,18 @@ static void f32_rope_item(const void *ctx, int i) {
     FOR_ROWS(t, i, r) {
         const float *row = t->qkv + (size_t)r * t->nqkv;
         const float *c = t->cos + (size_t)r * D, *s = t->sin + (size_t)r * D;
-        for (int hd = 0; hd < t->q_heads; hd++)
-            f32_rotary(row + (size_t)hd * D, c, s, D, t->qf + (size_t)r * t->nq + (size_t)hd * D);
+        float normed[512];
+        for (int hd = 0; hd < t->q_heads; hd++) {
+            const float *q = row + (size_t)hd * D;
+            if (t->w->q_norm) f32_rms_norm_row(q, t->w->q_norm, t->eps, D, normed), q = normed;
+            f32_rotary(q, c, s, D, t->qf + (size_t)r * t->nq + (size_t)hd * D);
+        }
         const int64_t slot = t->slots[r], blk = slot / t->block_size, off = slot % t->block_size;
         for (int g = 0; g < t->kv_heads; g++) {
             float *kdst = t->kv + blk * t->s_block + g * t->s_head + off * t->s_tok;
-            f32_rotary(row + t->nq + (size_t)g * D, c, s, D, kdst);
+            const float *k = row + t->nq + (size_t)g * D;
+            if (t->w->k_norm) f32_rms_norm_row(k, t->w->k_norm, t->eps, D, normed), k = normed;
+            f32_rotary(k, c, s, D, kdst);
             memcpy(kdst + t->s_kv, row + t->nq + t->nkv + (size_t)g * D, (size_t)D * sizeof(float));
         }
     }
@@ -1305,7 +1329,7 @@ static void f32_attn_item(const void *ctx, int i) {
     const int rc = pdserve_paged_attention(t->qf, t->of, t->kv, 0, t->s_kv, t->s_head, t->s_block, t->s_tok,
                                            t->num_blocks, t->block_tables + (int64_t)s * t->bt_stride, t->bt_stride,
                                            &seen, rows, 1, t->q_heads, t->kv_heads, t->head_dim, t->block_size,
-                                           t->scale, 0, 0.0f, NULL);
+                                           t->scale, t->w->window, t->w->softcap, t->w->sinks);
     if (rc) atomic_store(&t->rc, rc == 1 ? 1 + s : rc);
 }
 

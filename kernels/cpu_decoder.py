@@ -46,7 +46,9 @@ class LayerWeights(ctypes.Structure):
     """The pointers of one layer's weights, as `pdserve_llama_layer` and `pdserve_llama_layer_f32` take them
     (`struct layer_weights`, `struct f32_layer_weights`: packed bfloat16, or float32 `[in, out]` in place)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down")]
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down",
+                                                        "q_norm", "k_norm", "sinks")),
+                ("window", ctypes.c_int), ("softcap", ctypes.c_float)]
 
 
 def library() -> ctypes.CDLL | None:

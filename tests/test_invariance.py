@@ -121,3 +121,32 @@ def test_a_sequence_recomputed_as_a_prompt_gets_the_logits_its_decode_steps_had(
         for sid in ("seq", "rows"):
             if sid in r:
                 r.free(sid)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_the_other_native_families_are_row_invariant_too(family, dtype, tmp_path, model_dir):
+    """Per-head q/k norms (Qwen3) and a sliding window of 8 keys on every layer (this Mistral; its prompt rows take
+    the decode kernel, whose window the chunk kernel lacks): chunked, cached and batched paths give the same bits."""
+    from pdserve.engine.runner import PagedRunner
+    from tinymodels import make_tiny
+
+    r = PagedRunner(make_tiny(family, tmp_path, model_dir), dtype=getattr(torch, dtype), num_blocks=256)
+    if not r.native_rows():
+        pytest.skip(f"no native {dtype} decoder on this CPU")
+    prompt = _prompt(r, 70, seed=3)
+    ref = r.prefill("whole", prompt, reuse_prefix=False)
+    assert torch.equal(r.prefill("chunks", prompt, chunk_size=17, reuse_prefix=False), ref)
+    assert torch.equal(r.prefill("cached", prompt), ref)
+    token = int(ref.argmax())
+    alone = _decode(r, "whole", token, 2)
+    r.prefill("other", _prompt(r, 40, seed=4), reuse_prefix=False)
+    for width in (3, 16):
+        fillers = [("f", width, k) for k in range(width - 1)]
+        for f in fillers:
+            r.fork("other", f)
+        got = r.step([("chunks", [token])] + [(f, [9]) for f in fillers])[0][-1]
+        assert torch.equal(got, alone[0]), f"batch of {width}"
+        r.rollback("chunks", len(prompt))
+        for f in fillers:
+            r.free(f)

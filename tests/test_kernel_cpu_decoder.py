@@ -199,8 +199,10 @@ def test_native_steps_of_the_real_model_are_as_close_to_float32_as_transformers_
 
 
 @needs_native
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_native_steps_of_tiny_llama_and_qwen2(family, tmp_path, model_dir, tokenizer, projection_path):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_native_steps_of_tiny_families(family, tmp_path, model_dir, tokenizer, projection_path):
+    """q/k/v biases (Qwen2), per-head q/k norms (Qwen3), a sliding window of 8 keys on every layer (this Mistral):
+    prompts of 9-14 tokens and 24 steps cross the window many times."""
     ckpt = make_tiny(family, tmp_path, model_dir)
     _compare(ckpt, [tokenizer.encode("The quick brown fox jumps over the lazy dog")[:9],
                     tokenizer.encode("Once upon a time"), tokenizer.encode("def add(a, b):\n    return a + b")],
@@ -215,8 +217,8 @@ def test_native_float32_steps_of_the_real_model_are_transformers_float32_to_roun
 
 
 @needs_float32
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_native_float32_steps_of_tiny_llama_and_qwen2(family, tmp_path, model_dir, tokenizer):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_native_float32_steps_of_tiny_families(family, tmp_path, model_dir, tokenizer):
     ckpt = make_tiny(family, tmp_path, model_dir)
     _compare_float32(ckpt, [tokenizer.encode("The quick brown fox jumps over the lazy dog")[:9],
                             tokenizer.encode("Once upon a time"), tokenizer.encode("def add(a, b):\n    return a + b")],
@@ -224,9 +226,9 @@ def test_native_float32_steps_of_tiny_llama_and_qwen2(family, tmp_path, model_di
 
 
 @needs_native
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "qwen3"])
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe", "gpt_oss"])
 def test_models_the_layer_does_not_compute_keep_transformers_forward(family, tmp_path, model_dir):
-    """Sliding windows (this Mistral), soft caps and another norm (Gemma 2), q/k norms (Qwen3): refused by
+    """Gemma's norms and GELU MLP (Gemma 2), experts (Qwen3-MoE), sinks and experts (gpt-oss): refused by
     structure, not run wrong."""
     r = PagedRunner(make_tiny(family, tmp_path, model_dir), dtype=torch.bfloat16, num_blocks=16)
     assert r.model.native is None

@@ -6,8 +6,8 @@ rows (1024: `kernels/cpu_decoder.py`) through them, keeping from transformers on
 tables, the final norm (bfloat16) and the head.
 
 Which models: an architecture whose decoder layer is exactly pre-norm attention and a SiLU-gated MLP
-with transformers' Llama norm (`NATIVE_TYPES`; q/k/v biases allowed, as Qwen2 has), every layer full
-attention with no soft cap or sinks, in bfloat16 or float32 on a CPU with AVX512-BF16 or AVX2 + FMA, the kernels
+with transformers' Llama norm (`NATIVE_TYPES`; q/k/v biases allowed, as Qwen2 has; per-head q/k norms, as Qwen3
+has), full or sliding-window attention with an optional soft cap (no sinks), in bfloat16 or float32 on a CPU with AVX512-BF16 or AVX2 + FMA, the kernels
 prebuilt or a C compiler present, and `PDSERVE_NATIVE_DECODE` not "0". `from_model` returns None (and says why at
 debug level) for anything else, which keeps transformers' forward. The layers compute what transformers'
 forward does up to the summation order of matmuls and reductions (tests/test_kernel_cpu_decoder.py), and that
@@ -28,7 +28,8 @@ from pdserve.kernels.cpu_decoder import (LayerWeights, float32_available, gemm_f
 
 log = logging.getLogger("pdserve.engine.native")
 
-NATIVE_TYPES = ("llama", "mistral", "qwen2")  # config.model_type: pre-norm attention + SiLU-gated MLP, Llama norms
+# config.model_type: pre-norm attention + SiLU-gated MLP, Llama norms (Qwen3: and per-head q/k norms before the rotary)
+NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _llama_norm(m) -> tuple[Tensor, float] | None:
@@ -37,7 +38,7 @@ def _llama_norm(m) -> tuple[Tensor, float] | None:
     `cpustep.FusedRMSNorm` that replaced it (found equal to it bit for bit, in either form); None for any other."""
     if isinstance(m, FusedRMSNorm):
         return m.weight, m.eps
-    own = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2")}
+    own = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "Qwen3")}
     eps = getattr(m, "variance_epsilon", None)
     if type(m).__name__ in own and isinstance(eps, float) and isinstance(getattr(m, "weight", None), nn.Parameter):
         return m.weight, eps
@@ -51,8 +52,8 @@ def _why_not(model) -> str | None:
         return f"model type {cfg.model_type!r} is not one of {NATIVE_TYPES}"
     if getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "mlp_bias", False):
         return "its MLP is not a bias-free SiLU-gated one"
-    if any(model.layer_windows) or any(a.softcap or a.sinks for a in model.attention):
-        return "a layer has a sliding window, a soft cap or sinks"
+    if any(a.sinks for a in model.attention):
+        return "a layer has attention sinks"
     dtype, device = next(model.hf.parameters()).dtype, next(model.hf.parameters()).device
     if dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu":
         return f"{dtype} on {device}: the native layers are bfloat16 or float32 on the CPU"
@@ -70,6 +71,12 @@ def _why_not(model) -> str | None:
         norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
         if any(_llama_norm(n) is None for n in norms):
             return "a layer's norms are not transformers' Llama norm"
+        eps = _llama_norm(norms[0])[1]
+        for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms: Llama norms over head_dim, the layers' eps
+            qk = getattr(attn, name, None)
+            if qk is not None and (_llama_norm(qk) is None or _llama_norm(qk)[1] != eps
+                                   or _llama_norm(qk)[0].shape != (model.head_dim,)):
+                return f"a layer's {name} is not a Llama norm over head_dim with the layers' eps"
         q, gate = getattr(attn, "q_proj", None), getattr(mlp, "gate_proj", None)
         if not (isinstance(q, FusedMember) and q.first and isinstance(attn.v_proj, FusedMember) and attn.v_proj.last):
             return "a layer's q/k/v are not one fused projection"
@@ -101,7 +108,7 @@ class NativeDecoder:
         layout = (lambda w: w.detach().contiguous()) if f32 else pack
         self._packed: list[Tensor] = []  # owns every buffer a layer's struct points at
         self.weights: list[LayerWeights] = []
-        for layer in model.layers:
+        for layer, spec in zip(model.layers, model.attention):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = attn.q_proj.group.linear
             ln1, ln2 = (_llama_norm(n)[0].detach() for n in (layer.input_layernorm, layer.post_attention_layernorm))
@@ -109,8 +116,12 @@ class NativeDecoder:
                         gate_up=layout(mlp.gate_proj.group.linear.weight_t), down=layout(mlp.down_proj.weight_t))
             if qkv.bias is not None:
                 bufs["qkv_bias"] = qkv.bias.detach().contiguous()
+            for name in ("q_norm", "k_norm"):
+                if getattr(attn, name, None) is not None:
+                    bufs[name] = _llama_norm(getattr(attn, name))[0].detach().contiguous()
             self._packed += bufs.values()
-            self.weights.append(LayerWeights(**{k: v.data_ptr() for k, v in bufs.items()}))
+            self.weights.append(LayerWeights(**{k: v.data_ptr() for k, v in bufs.items()},
+                                             window=spec.sliding_window or 0, softcap=spec.softcap or 0.0))
         # The head through the same GEMV: oneDNN's bf16 matmul took 9 of a 16-row step's 39 ms on SmolLM2's
         # 49152 x 576 head here, the GEMV 3 (one more copy of the head's weights, 57 MB there). In float32 the
         # head's own weight_t, so its logits are row-invariant too.
