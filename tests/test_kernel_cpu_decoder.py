@@ -199,9 +199,10 @@ def test_native_steps_of_the_real_model_are_as_close_to_float32_as_transformers_
 
 
 @needs_native
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
 def test_native_steps_of_tiny_families(family, tmp_path, model_dir, tokenizer, projection_path):
-    """q/k/v biases (Qwen2), per-head q/k norms (Qwen3), a sliding window of 8 keys on every layer (this Mistral):
+    """q/k/v biases (Qwen2), per-head q/k norms (Qwen3), a sliding window of 8 keys on every layer (this Mistral),
+    q/k/v and gate/up fused in the checkpoint (Phi-3):
     prompts of 9-14 tokens and 24 steps cross the window many times."""
     ckpt = make_tiny(family, tmp_path, model_dir)
     _compare(ckpt, [tokenizer.encode("The quick brown fox jumps over the lazy dog")[:9],
@@ -217,7 +218,7 @@ def test_native_float32_steps_of_the_real_model_are_transformers_float32_to_roun
 
 
 @needs_float32
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
 def test_native_float32_steps_of_tiny_families(family, tmp_path, model_dir, tokenizer):
     ckpt = make_tiny(family, tmp_path, model_dir)
     _compare_float32(ckpt, [tokenizer.encode("The quick brown fox jumps over the lazy dog")[:9],

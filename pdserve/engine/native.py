@@ -7,7 +7,7 @@ tables, the final norm (bfloat16) and the head.
 
 Which models: an architecture whose decoder layer is exactly pre-norm attention and a SiLU-gated MLP
 with transformers' Llama norm (`NATIVE_TYPES`; q/k/v biases allowed, as Qwen2 has; per-head q/k norms, as Qwen3
-has), full or sliding-window attention with an optional soft cap (no sinks), in bfloat16 or float32 on a CPU with AVX512-BF16 or AVX2 + FMA, the kernels
+has; projections fused in the checkpoint, as Phi-3 has), full or sliding-window attention with an optional soft cap (no sinks), in bfloat16 or float32 on a CPU with AVX512-BF16 or AVX2 + FMA, the kernels
 prebuilt or a C compiler present, and `PDSERVE_NATIVE_DECODE` not "0". `from_model` returns None (and says why at
 debug level) for anything else, which keeps transformers' forward. The layers compute what transformers'
 forward does up to the summation order of matmuls and reductions (tests/test_kernel_cpu_decoder.py), and that
@@ -28,8 +28,9 @@ from pdserve.kernels.cpu_decoder import (LayerWeights, float32_available, gemm_f
 
 log = logging.getLogger("pdserve.engine.native")
 
-# config.model_type: pre-norm attention + SiLU-gated MLP, Llama norms (Qwen3: and per-head q/k norms before the rotary)
-NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# config.model_type: pre-norm attention + SiLU-gated MLP, Llama norms (Qwen3: and per-head q/k norms before the rotary;
+# Phi-3: q/k/v and gate/up fused in the checkpoint)
+NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def _llama_norm(m) -> tuple[Tensor, float] | None:
@@ -38,11 +39,37 @@ def _llama_norm(m) -> tuple[Tensor, float] | None:
     `cpustep.FusedRMSNorm` that replaced it (found equal to it bit for bit, in either form); None for any other."""
     if isinstance(m, FusedRMSNorm):
         return m.weight, m.eps
-    own = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "Qwen3")}
+    own = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3")}
     eps = getattr(m, "variance_epsilon", None)
     if type(m).__name__ in own and isinstance(eps, float) and isinstance(getattr(m, "weight", None), nn.Parameter):
         return m.weight, eps
     return None
+
+
+def _projections(layer) -> tuple[CpuLinear, CpuLinear, CpuLinear, CpuLinear] | str:
+    """A layer's (q/k/v, o, gate/up, down) projections, each one CpuLinear (q/k/v's outputs q, k, v in that order,
+    gate/up's gate then up): fused by `cpustep` from separate modules (Llama, Qwen) or fused in the checkpoint
+    (Phi-3's qkv_proj and gate_up_proj); else why not."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    q, gate = getattr(attn, "q_proj", None), getattr(mlp, "gate_proj", None)
+    if isinstance(getattr(attn, "qkv_proj", None), CpuLinear):
+        qkv = attn.qkv_proj
+    elif isinstance(q, FusedMember) and q.first and isinstance(attn.v_proj, FusedMember) and attn.v_proj.last:
+        qkv = q.group.linear
+    else:
+        return "a layer's q/k/v are not one fused projection"
+    if isinstance(getattr(mlp, "gate_up_proj", None), CpuLinear):
+        gate_up = mlp.gate_up_proj
+    elif isinstance(gate, FusedMember) and gate.first and isinstance(mlp.up_proj, FusedMember):
+        gate_up = gate.group.linear
+    else:
+        return "a layer's gate/up are not one fused projection"
+    o, down = getattr(attn, "o_proj", None), getattr(mlp, "down_proj", None)
+    if not (isinstance(o, CpuLinear) and o.bias is None and isinstance(down, CpuLinear) and down.bias is None):
+        return "a layer's o or down projection has a bias"
+    if gate_up.bias is not None:
+        return "a layer's gate/up projection has a bias"
+    return qkv, o, gate_up, down
 
 
 def _why_not(model) -> str | None:
@@ -77,17 +104,19 @@ def _why_not(model) -> str | None:
             if qk is not None and (_llama_norm(qk) is None or _llama_norm(qk)[1] != eps
                                    or _llama_norm(qk)[0].shape != (model.head_dim,)):
                 return f"a layer's {name} is not a Llama norm over head_dim with the layers' eps"
-        q, gate = getattr(attn, "q_proj", None), getattr(mlp, "gate_proj", None)
-        if not (isinstance(q, FusedMember) and q.first and isinstance(attn.v_proj, FusedMember) and attn.v_proj.last):
-            return "a layer's q/k/v are not one fused projection"
-        if not (isinstance(gate, FusedMember) and gate.first and isinstance(mlp.up_proj, FusedMember)):
-            return "a layer's gate/up are not one fused projection"
-        o, down = getattr(attn, "o_proj", None), getattr(mlp, "down_proj", None)
-        if not (isinstance(o, CpuLinear) and o.bias is None and isinstance(down, CpuLinear) and down.bias is None):
-            return "a layer's o or down projection has a bias"
-        if gate.group.linear.bias is not None:
-            return "a layer's gate/up projection has a bias"
+        parts = _projections(layer)
+        if isinstance(parts, str):
+            return parts
+        nq, nkv = attn_q_kv(model)
+        if parts[0].out_features != nq + 2 * nkv or parts[2].out_features != 2 * int(cfg.intermediate_size):
+            return "a layer's fused projections are not q/k/v and gate/up of the config's sizes"
     return None
+
+
+def attn_q_kv(model) -> tuple[int, int]:
+    """The q and k (or v) widths of a layer's attention: heads x head_dim."""
+    a = model.attention[0]
+    return a.q_heads * a.head_dim, a.kv_heads * a.head_dim
 
 
 class NativeDecoder:
@@ -109,11 +138,11 @@ class NativeDecoder:
         self._packed: list[Tensor] = []  # owns every buffer a layer's struct points at
         self.weights: list[LayerWeights] = []
         for layer, spec in zip(model.layers, model.attention):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = attn.q_proj.group.linear
+            attn = layer.self_attn
+            qkv, o, gate_up, down = _projections(layer)
             ln1, ln2 = (_llama_norm(n)[0].detach() for n in (layer.input_layernorm, layer.post_attention_layernorm))
-            bufs = dict(ln1=ln1, qkv=layout(qkv.weight_t), o=layout(attn.o_proj.weight_t), ln2=ln2,
-                        gate_up=layout(mlp.gate_proj.group.linear.weight_t), down=layout(mlp.down_proj.weight_t))
+            bufs = dict(ln1=ln1, qkv=layout(qkv.weight_t), o=layout(o.weight_t), ln2=ln2,
+                        gate_up=layout(gate_up.weight_t), down=layout(down.weight_t))
             if qkv.bias is not None:
                 bufs["qkv_bias"] = qkv.bias.detach().contiguous()
             for name in ("q_norm", "k_norm"):
