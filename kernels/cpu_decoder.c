@@ -68,6 +68,13 @@ static inline bf16 round_bf16(float f) { /* round to nearest even, as torch's fl
 static inline bf16 mul_bf16(bf16 a, bf16 b) { return round_bf16(f32(a) * f32(b)); }
 static inline bf16 add_bf16(bf16 a, bf16 b) { return round_bf16(f32(a) + f32(b)); }
 
+/* GELU, tanh approximation, as torch's CPU kernel computes it in float32 */
+static inline float gelu_tanh(float x) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
+    const float cube = x * x * x;
+    return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * cube)));
+}
+
 /* W [n, k] bfloat16 (row-major, k even) -> packed [ceil(n/32)][k/2][32][2]: per group of 32 outputs and
  * pair of inputs, the 32 outputs' two weights side by side (two registers); outputs past n are zero. */
 void pdserve_pack_bf16(const bf16 *w, bf16 *packed, int n, int k) {
@@ -658,6 +665,20 @@ static void rms_norm_row(const bf16 *x, const bf16 *w, float eps, int h, bf16 *y
     }
 }
 
+/* Gemma's norm in bfloat16: normalise and scale by (1 + weight) (`w1`, float32) in float32, one rounding. */
+static void gemma_norm_row(const bf16 *x, const float *w1, float eps, int h, bf16 *y) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int i = 0; i < h; i += 16) {
+        const __m512 v = load_bf16(x + i, tail_mask(h - i));
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)h + eps));
+    for (int i = 0; i < h; i += 16) {
+        const __mmask16 m = tail_mask(h - i);
+        store_bf16(y + i, m, _mm512_mul_ps(_mm512_mul_ps(load_bf16(x + i, m), inv), _mm512_maskz_loadu_ps(m, w1 + i)));
+    }
+}
+
 /* h += p, rounded */
 static void residual_row(bf16 *h, const bf16 *p, int n) {
     for (int i = 0; i < n; i += 16) {
@@ -702,6 +723,17 @@ static void silu_row(const bf16 *g, const bf16 *u, int n, bf16 *act) {
     }
 }
 
+/* act = round(gelu_tanh(g)) * u, rounded (Gemma's gelu_pytorch_tanh, in torch's order) */
+static void gelu_row(const bf16 *g, const bf16 *u, int n, bf16 *act) {
+    float v[16] __attribute__((aligned(64)));
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        _mm512_store_ps(v, load_bf16(g + i, m));
+        for (int j = 0; j < 16; j++) v[j] = gelu_tanh(v[j]);
+        store_bf16(act + i, m, _mm512_mul_ps(rounded(_mm512_load_ps(v)), load_bf16(u + i, m)));
+    }
+}
+
 
 /* a row widened to float32, and float32 rounded to bfloat16 */
 static void widen_row(const bf16 *x, float *y, int n) {
@@ -733,6 +765,19 @@ static void rms_norm_row(const bf16 *x, const bf16 *w, float eps, int h, bf16 *y
     for (int j = 0; j < h; j++) y[j] = round_bf16(f32(w[j]) * f32(round_bf16(f32(x[j]) * inv)));
 }
 
+static void gemma_norm_row(const bf16 *x, const float *w1, float eps, int h, bf16 *y) {
+    float ss[16] = {0};
+    int i = 0;
+    for (; i + 16 <= h; i += 16)
+        for (int l = 0; l < 16; l++) ss[l] = fmaf(f32(x[i + l]), f32(x[i + l]), ss[l]);
+    for (int l = 0; i + l < h; l++) ss[l] = fmaf(f32(x[i + l]), f32(x[i + l]), ss[l]);
+    for (int w2 = 8; w2 >= 2; w2 /= 2)
+        for (int l = 0; l < w2; l++) ss[l] += ss[l + w2];
+    const float inv = 1.0f / sqrtf((ss[0] + ss[1]) / (float)h + eps);
+#pragma omp simd
+    for (int j = 0; j < h; j++) y[j] = round_bf16(f32(x[j]) * inv * w1[j]);
+}
+
 static void residual_row(bf16 *h, const bf16 *p, int n) {
 #pragma omp simd
     for (int i = 0; i < n; i++) h[i] = round_bf16(f32(h[i]) + f32(p[i]));
@@ -759,6 +804,10 @@ static void silu_row(const bf16 *g, const bf16 *u, int n, bf16 *act) {
     }
 }
 
+static void gelu_row(const bf16 *g, const bf16 *u, int n, bf16 *act) {
+    for (int j = 0; j < n; j++) act[j] = round_bf16(f32(round_bf16(gelu_tanh(f32(g[j])))) * f32(u[j]));
+}
+
 static void widen_row(const bf16 *x, float *y, int n) {
 #pragma omp simd
     for (int j = 0; j < n; j++) y[j] = f32(x[j]);
@@ -779,9 +828,19 @@ struct layer_weights {
     const bf16 *ln1, *qkv, *qkv_bias, *o, *ln2, *gate_up, *down;
     const bf16 *q_norm, *k_norm;
     const float *sinks;
+    const bf16 *post_attn, *post_ffn; /* Gemma's norms of the attention's and the MLP's outputs, or NULL */
     int window;
     float softcap;
+    int gemma_norm; /* norms are Gemma's: every norm weight above is float32 (1 + weight) */
+    int gelu;       /* the MLP's gate takes GELU (tanh approximation), not SiLU */
 };
+
+/* a norm of the layer, Llama's or Gemma's (whose weights are float32 1 + w) */
+static inline void layer_norm_row(const struct layer_weights *w, const bf16 *x, const bf16 *weight, float eps, int h,
+                                  bf16 *y) {
+    if (w->gemma_norm) gemma_norm_row(x, (const float *)(const void *)weight, eps, h, y);
+    else rms_norm_row(x, weight, eps, h, y);
+}
 
 #define ROWS_PER_ITEM 4 /* elementwise items: a few rows each (a row is a microsecond or less) */
 #define CHUNK_MIN_ROWS 16 /* a sequence with more query rows than this takes the prompt-chunk attention kernel */
@@ -812,7 +871,8 @@ static inline int row_items(int rows) { return (rows + ROWS_PER_ITEM - 1) / ROWS
 
 static void norm1_item(const void *ctx, int i) {
     const struct layer_task *t = ctx;
-    FOR_ROWS(t, i, r) rms_norm_row(t->h + (size_t)r * t->hidden, t->w->ln1, t->eps, t->hidden, t->x + (size_t)r * t->hidden);
+    FOR_ROWS(t, i, r) layer_norm_row(t->w, t->h + (size_t)r * t->hidden, t->w->ln1, t->eps, t->hidden,
+                                     t->x + (size_t)r * t->hidden);
 }
 
 /* rotary on q and k, q widened to float32 for the decode kernel, K and V written to the row's slot */
@@ -824,7 +884,7 @@ static void rope_item(const void *ctx, int i) {
         const bf16 *c = t->cos + (size_t)r * D, *s = t->sin + (size_t)r * D;
         for (int hd = 0; hd < t->q_heads + t->kv_heads; hd++) {
             const bf16 *norm = hd < t->q_heads ? t->w->q_norm : t->w->k_norm;
-            if (norm) rms_norm_row(row + (size_t)hd * D, norm, t->eps, D, row + (size_t)hd * D);
+            if (norm) layer_norm_row(t->w, row + (size_t)hd * D, norm, t->eps, D, row + (size_t)hd * D);
             rotary(row + (size_t)hd * D, c, s, D);
         }
         widen_row(row, t->qf + (size_t)r * t->nq, t->nq);
@@ -902,9 +962,10 @@ static void round_item(const void *ctx, int i) {
 static void resid_norm2_item(const void *ctx, int i) {
     const struct layer_task *t = ctx;
     FOR_ROWS(t, i, r) {
-        bf16 *hr = t->h + (size_t)r * t->hidden;
-        residual_row(hr, t->proj + (size_t)r * t->hidden, t->hidden);
-        rms_norm_row(hr, t->w->ln2, t->eps, t->hidden, t->x + (size_t)r * t->hidden);
+        bf16 *hr = t->h + (size_t)r * t->hidden, *pr = t->proj + (size_t)r * t->hidden;
+        if (t->w->post_attn) layer_norm_row(t->w, pr, t->w->post_attn, t->eps, t->hidden, pr);
+        residual_row(hr, pr, t->hidden);
+        layer_norm_row(t->w, hr, t->w->ln2, t->eps, t->hidden, t->x + (size_t)r * t->hidden);
     }
 }
 
@@ -912,13 +973,17 @@ static void silu_item(const void *ctx, int i) {
     const struct layer_task *t = ctx;
     FOR_ROWS(t, i, r) {
         const bf16 *g = t->gu + (size_t)r * 2 * t->inter;
-        silu_row(g, g + t->inter, t->inter, t->act + (size_t)r * t->inter);
+        (t->w->gelu ? gelu_row : silu_row)(g, g + t->inter, t->inter, t->act + (size_t)r * t->inter);
     }
 }
 
 static void resid_item(const void *ctx, int i) {
     const struct layer_task *t = ctx;
-    FOR_ROWS(t, i, r) residual_row(t->h + (size_t)r * t->hidden, t->proj + (size_t)r * t->hidden, t->hidden);
+    FOR_ROWS(t, i, r) {
+        bf16 *pr = t->proj + (size_t)r * t->hidden;
+        if (t->w->post_ffn) layer_norm_row(t->w, pr, t->w->post_ffn, t->eps, t->hidden, pr);
+        residual_row(t->h + (size_t)r * t->hidden, pr, t->hidden);
+    }
 }
 
 /* The attention's work list and the chunk sequences' packing buffers: kept between calls (main thread). */
@@ -1265,12 +1330,16 @@ static void f32_rotary(const float *x, const float *cos, const float *sin, int d
     for (int i = half; i < d; i++) dst[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
-struct f32_layer_weights { /* as struct layer_weights; projections [in, out] */
+struct f32_layer_weights { /* as struct layer_weights; projections [in, out]; Gemma's norms as 1 + weight, so
+                             * one norm serves both: x * inv * (1 + w) is w' * (x * inv) in float32 */
     const float *ln1, *qkv, *qkv_bias, *o, *ln2, *gate_up, *down;
     const float *q_norm, *k_norm;
     const float *sinks;
+    const float *post_attn, *post_ffn;
     int window;
     float softcap;
+    int gemma_norm;
+    int gelu;
 };
 
 struct f32_task {
@@ -1336,8 +1405,8 @@ static void f32_attn_item(const void *ctx, int i) {
 static void f32_resid_norm2_item(const void *ctx, int i) {
     const struct f32_task *t = ctx;
     FOR_ROWS(t, i, r) {
-        float *hr = t->h + (size_t)r * t->hidden;
-        const float *p = t->proj + (size_t)r * t->hidden;
+        float *hr = t->h + (size_t)r * t->hidden, *p = t->proj + (size_t)r * t->hidden;
+        if (t->w->post_attn) f32_rms_norm_row(p, t->w->post_attn, t->eps, t->hidden, p);
 #pragma omp simd
         for (int j = 0; j < t->hidden; j++) hr[j] += p[j];
         f32_rms_norm_row(hr, t->w->ln2, t->eps, t->hidden, t->x + (size_t)r * t->hidden);
@@ -1349,16 +1418,20 @@ static void f32_silu_item(const void *ctx, int i) {
     FOR_ROWS(t, i, r) {
         const float *g = t->gu + (size_t)r * 2 * t->inter, *u = g + t->inter;
         float *act = t->act + (size_t)r * t->inter;
+        if (t->w->gelu) {
+            for (int j = 0; j < t->inter; j++) act[j] = gelu_tanh(g[j]) * u[j];
+        } else {
 #pragma omp simd
-        for (int j = 0; j < t->inter; j++) act[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+            for (int j = 0; j < t->inter; j++) act[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        }
     }
 }
 
 static void f32_resid_item(const void *ctx, int i) {
     const struct f32_task *t = ctx;
     FOR_ROWS(t, i, r) {
-        float *hr = t->h + (size_t)r * t->hidden;
-        const float *p = t->proj + (size_t)r * t->hidden;
+        float *hr = t->h + (size_t)r * t->hidden, *p = t->proj + (size_t)r * t->hidden;
+        if (t->w->post_ffn) f32_rms_norm_row(p, t->w->post_ffn, t->eps, t->hidden, p);
 #pragma omp simd
         for (int j = 0; j < t->hidden; j++) hr[j] += p[j];
     }

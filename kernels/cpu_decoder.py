@@ -47,8 +47,9 @@ class LayerWeights(ctypes.Structure):
     (`struct layer_weights`, `struct f32_layer_weights`: packed bfloat16, or float32 `[in, out]` in place)."""
 
     _fields_ = [*((name, ctypes.c_void_p) for name in ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down",
-                                                        "q_norm", "k_norm", "sinks")),
-                ("window", ctypes.c_int), ("softcap", ctypes.c_float)]
+                                                        "q_norm", "k_norm", "sinks", "post_attn", "post_ffn")),
+                ("window", ctypes.c_int), ("softcap", ctypes.c_float), ("gemma_norm", ctypes.c_int),
+                ("gelu", ctypes.c_int)]
 
 
 def library() -> ctypes.CDLL | None:

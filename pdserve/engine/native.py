@@ -19,7 +19,10 @@ from __future__ import annotations
 import ctypes
 import logging
 
+import inspect
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pdserve.engine.cpustep import CpuLinear, FusedMember, FusedRMSNorm
@@ -28,28 +31,63 @@ from pdserve.kernels.cpu_decoder import (LayerWeights, float32_available, gemm_f
 
 log = logging.getLogger("pdserve.engine.native")
 
-# config.model_type: pre-norm attention + SiLU-gated MLP, Llama norms (Qwen3: and per-head q/k norms before the rotary;
-# Phi-3: q/k/v and gate/up fused in the checkpoint)
-NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# config.model_type: pre-norm attention and a gated MLP. Llama's norms and SiLU (Qwen3: per-head q/k norms before the
+# rotary; Phi-3: q/k/v and gate/up fused in the checkpoint), or Gemma's norms (1 + weight, scaled before rounding),
+# GELU and norms of the attention's and MLP's outputs too (Gemma 2 and 3: sliding windows, soft caps, q/k norms)
+NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+_LLAMA_NORMS = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3")}
+_GEMMA_NORMS = {"Gemma2RMSNorm", "Gemma3RMSNorm"}
 
 
-def _llama_norm(m) -> tuple[Tensor, float] | None:
-    """(weight, eps) of transformers' Llama norm — `weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)`,
-    what the C layer computes — as the model's own module (`LlamaRMSNorm`, `Qwen2RMSNorm`, ...) or a
-    `cpustep.FusedRMSNorm` that replaced it (found equal to it bit for bit, in either form); None for any other."""
+def _norm_of(m) -> tuple[str, Tensor, float] | None:
+    """(kind, weight, eps) of a norm the C layer computes: "llama" — `weight * (x.float() * rsqrt(mean(x^2) +
+    eps)).to(dtype)`, as the model's own module (`LlamaRMSNorm`, ...) or a `cpustep.FusedRMSNorm` that replaced it
+    (found equal to it bit for bit) — or "gemma" — `(x.float() * rsqrt(...) * (1 + weight.float())).to(dtype)`;
+    None for any other."""
     if isinstance(m, FusedRMSNorm):
-        return m.weight, m.eps
-    own = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3")}
-    eps = getattr(m, "variance_epsilon", None)
-    if type(m).__name__ in own and isinstance(eps, float) and isinstance(getattr(m, "weight", None), nn.Parameter):
-        return m.weight, eps
+        return "llama", m.weight, m.eps
+    name, weight = type(m).__name__, getattr(m, "weight", None)
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if not (isinstance(eps, float) and isinstance(weight, nn.Parameter) and weight.dim() == 1):
+        return None
+    if name in _LLAMA_NORMS:
+        return "llama", weight, eps
+    if name in _GEMMA_NORMS:
+        return "gemma", weight, eps
+    return None
+
+
+def _layer_norms(layer) -> dict[str, object] | None:
+    """A layer's norms by the C layer's names: ln1 (before attention), ln2 (before the MLP), and Gemma's post_attn
+    and post_ffn (of the attention's and the MLP's outputs); None where the layer has another arrangement."""
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2 and 3: four norms
+        names = dict(ln1="input_layernorm", post_attn="post_attention_layernorm", ln2="pre_feedforward_layernorm",
+                     post_ffn="post_feedforward_layernorm")
+    else:
+        names = dict(ln1="input_layernorm", ln2="post_attention_layernorm")
+    found = {k: getattr(layer, v, None) for k, v in names.items()}
+    return found if all(m is not None for m in found.values()) else None
+
+
+def _activation(mlp, dtype: torch.dtype) -> str | None:
+    """"silu" or "gelu" (the tanh approximation) by what the MLP's `act_fn` computes, bit for bit; else None."""
+    act = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
+    if act is None:
+        return None
+    x = (torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    with torch.inference_mode():
+        y = act(x)
+        if torch.equal(y, F.silu(x)):
+            return "silu"
+        if torch.equal(y, F.gelu(x, approximate="tanh")):
+            return "gelu"
     return None
 
 
 def _projections(layer) -> tuple[CpuLinear, CpuLinear, CpuLinear, CpuLinear] | str:
     """A layer's (q/k/v, o, gate/up, down) projections, each one CpuLinear (q/k/v's outputs q, k, v in that order,
-    gate/up's gate then up): fused by `cpustep` from separate modules (Llama, Qwen) or fused in the checkpoint
-    (Phi-3's qkv_proj and gate_up_proj); else why not."""
+    gate/up's gate then up): fused by `cpustep` from separate modules (Llama, Qwen, Gemma) or fused in the
+    checkpoint (Phi-3's qkv_proj and gate_up_proj); else why not."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     q, gate = getattr(attn, "q_proj", None), getattr(mlp, "gate_proj", None)
     if isinstance(getattr(attn, "qkv_proj", None), CpuLinear):
@@ -77,10 +115,12 @@ def _why_not(model) -> str | None:
     cfg = model.config
     if cfg.model_type not in NATIVE_TYPES:
         return f"model type {cfg.model_type!r} is not one of {NATIVE_TYPES}"
-    if getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "mlp_bias", False):
-        return "its MLP is not a bias-free SiLU-gated one"
+    if getattr(cfg, "mlp_bias", False):
+        return "its MLP has biases"
     if any(a.sinks for a in model.attention):
         return "a layer has attention sinks"
+    if len({a.scaling for a in model.attention}) != 1:
+        return "its layers scale attention differently"
     dtype, device = next(model.hf.parameters()).dtype, next(model.hf.parameters()).device
     if dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu":
         return f"{dtype} on {device}: the native layers are bfloat16 or float32 on the CPU"
@@ -91,23 +131,32 @@ def _why_not(model) -> str | None:
     if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
         return "its rotary embedding covers part of each head"
     inner = getattr(model.hf, "model", None)
-    if _llama_norm(getattr(inner, "norm", None)) is None:
-        return "its final norm is not transformers' Llama norm"
+    if not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm")):
+        return "its model has no embed_tokens, rotary_emb and norm to run around the layers"
+    final = _norm_of(inner.norm)
+    if final is None:
+        return "its final norm is neither transformers' Llama norm nor Gemma's"
+    kind, eps = final[0], final[2]
+    nq, nkv = attn_q_kv(model)
     for layer in model.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-        if any(_llama_norm(n) is None for n in norms):
-            return "a layer's norms are not transformers' Llama norm"
-        eps = _llama_norm(norms[0])[1]
-        for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms: Llama norms over head_dim, the layers' eps
-            qk = getattr(attn, name, None)
-            if qk is not None and (_llama_norm(qk) is None or _llama_norm(qk)[1] != eps
-                                   or _llama_norm(qk)[0].shape != (model.head_dim,)):
-                return f"a layer's {name} is not a Llama norm over head_dim with the layers' eps"
+        norms = _layer_norms(layer)
+        if norms is None:
+            return "a layer's norms are arranged otherwise"
+        for name in ("q_norm", "k_norm"):  # per-head norms over head_dim (Qwen3, Gemma 3)
+            if getattr(attn, name, None) is not None:
+                norms[name] = getattr(attn, name)
+        for name, m in norms.items():
+            found = _norm_of(m)
+            if found is None or found[0] != kind or found[2] != eps:
+                return f"a layer's {name} is not a {kind} norm with the model's eps"
+            if name in ("q_norm", "k_norm") and found[1].shape != (model.head_dim,):
+                return f"a layer's {name} is not over head_dim"
+        if _activation(mlp, dtype) is None:
+            return "its MLP's activation is neither SiLU nor GELU (tanh)"
         parts = _projections(layer)
         if isinstance(parts, str):
             return parts
-        nq, nkv = attn_q_kv(model)
         if parts[0].out_features != nq + 2 * nkv or parts[2].out_features != 2 * int(cfg.intermediate_size):
             return "a layer's fused projections are not q/k/v and gate/up of the config's sizes"
     return None
@@ -130,27 +179,34 @@ class NativeDecoder:
         self.q_heads, self.kv_heads, self.head_dim, self.scale = a.q_heads, a.kv_heads, a.head_dim, a.scaling
         self.hidden = int(cfg.hidden_size)
         self.inter = int(cfg.intermediate_size)
-        self.eps = _llama_norm(model.layers[0].input_layernorm)[1]
+        kind, _, self.eps = _norm_of(model.hf.model.norm)
         self.dtype = next(model.hf.parameters()).dtype
         f32 = self.dtype == torch.float32
         # float32 reads each projection's own weight_t [in, out] in place; bfloat16 packs a copy for its GEMV
         layout = (lambda w: w.detach().contiguous()) if f32 else pack
+
+        def norm_weight(m) -> Tensor:  # as the C layer takes it: Gemma's as float32 1 + weight
+            w = _norm_of(m)[1].detach()
+            return (1.0 + w.float()).contiguous() if kind == "gemma" else w.contiguous()
+
         self._packed: list[Tensor] = []  # owns every buffer a layer's struct points at
         self.weights: list[LayerWeights] = []
         for layer, spec in zip(model.layers, model.attention):
             attn = layer.self_attn
             qkv, o, gate_up, down = _projections(layer)
-            ln1, ln2 = (_llama_norm(n)[0].detach() for n in (layer.input_layernorm, layer.post_attention_layernorm))
-            bufs = dict(ln1=ln1, qkv=layout(qkv.weight_t), o=layout(o.weight_t), ln2=ln2,
-                        gate_up=layout(gate_up.weight_t), down=layout(down.weight_t))
+            bufs = {name: norm_weight(m) for name, m in _layer_norms(layer).items()}
+            bufs.update(qkv=layout(qkv.weight_t), o=layout(o.weight_t), gate_up=layout(gate_up.weight_t),
+                        down=layout(down.weight_t))
             if qkv.bias is not None:
                 bufs["qkv_bias"] = qkv.bias.detach().contiguous()
             for name in ("q_norm", "k_norm"):
                 if getattr(attn, name, None) is not None:
-                    bufs[name] = _llama_norm(getattr(attn, name))[0].detach().contiguous()
+                    bufs[name] = norm_weight(getattr(attn, name))
             self._packed += bufs.values()
             self.weights.append(LayerWeights(**{k: v.data_ptr() for k, v in bufs.items()},
-                                             window=spec.sliding_window or 0, softcap=spec.softcap or 0.0))
+                                             window=spec.sliding_window or 0, softcap=spec.softcap or 0.0,
+                                             gemma_norm=int(kind == "gemma"),
+                                             gelu=int(_activation(layer.mlp, self.dtype) == "gelu")))
         # The head through the same GEMV: oneDNN's bf16 matmul took 9 of a 16-row step's 39 ms on SmolLM2's
         # 49152 x 576 head here, the GEMV 3 (one more copy of the head's weights, 57 MB there). In float32 the
         # head's own weight_t, so its logits are row-invariant too.
@@ -160,7 +216,13 @@ class NativeDecoder:
             self.vocab = int(head.weight_t.shape[1])
             self._head = layout(head.weight_t)
             self._head_bias = None if head.bias is None else head.bias.detach().to(self.dtype).contiguous()
-        self._final_norm = _llama_norm(model.hf.model.norm)
+        self._final_norm = (norm_weight(model.hf.model.norm), self.eps)
+        self._logit_cap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2: tanh(logits / cap) * cap
+        # rotary tables per layer type where the model keeps one per type (Gemma 3: local and global)
+        rotary = model.hf.model.rotary_emb
+        types = getattr(cfg, "layer_types", None)
+        self._layer_types = (list(types) if types and "layer_type" in inspect.signature(rotary.forward).parameters
+                             else None)
         nq, nkv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
         if f32:
             self._layer = lib.pdserve_llama_layer_f32
@@ -187,9 +249,12 @@ class NativeDecoder:
         `before_layer(i)` / `after_layer(i)` called around each layer (`HFPagedModel.add_layer_hooks`)."""
         inner = self.hf.model
         rows = input_ids.shape[0]
-        h = inner.embed_tokens(input_ids).contiguous()
-        cos, sin = inner.rotary_emb(h[None], positions[None])
-        cos, sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
+        h = inner.embed_tokens(input_ids).contiguous()  # Gemma's module scales by sqrt(hidden) itself
+        rope = {}  # cos, sin [rows, head_dim] per layer type
+        for kind in (set(self._layer_types) if self._layer_types else [None]):
+            cos, sin = (inner.rotary_emb(h[None], positions[None], kind) if kind else
+                        inner.rotary_emb(h[None], positions[None]))
+            rope[kind] = (cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous())
         need = rows * self._scratch_per_row + 256
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
@@ -202,13 +267,15 @@ class NativeDecoder:
         s_block, s_kv, s_head, s_tok, _ = kv[0].stride()
         call = self._layer
         self.lib.pdserve_native_threads(torch.get_num_threads())  # the prefill worker's count grows on a lent core
-        args = (self.eps, self.q_heads, self.kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr())
+        heads = (self.eps, self.q_heads, self.kv_heads, self.head_dim)
         tail = (s_kv, s_head, s_block, s_tok, num_blocks, slots.data_ptr(), tables.data_ptr(), tables.stride(0),
                 lens.data_ptr(), starts.data_ptr(), tables.shape[0], block_size, self.scale, self._scratch.data_ptr())
         for i, w in enumerate(self.weights):
             if hooks is not None:
                 hooks.before_layer(i)
-            rc = call(h.data_ptr(), rows, self.hidden, self.inter, ctypes.byref(w), *args, kv[i].data_ptr(), *tail)
+            cos, sin = rope[self._layer_types[i] if self._layer_types else None]
+            rc = call(h.data_ptr(), rows, self.hidden, self.inter, ctypes.byref(w), *heads, cos.data_ptr(),
+                      sin.data_ptr(), kv[i].data_ptr(), *tail)
             if rc:
                 if rc == -1:
                     raise MemoryError("native decoder layer: no memory for the attention scores")
@@ -218,11 +285,13 @@ class NativeDecoder:
         x = h.index_select(0, logits_index)
         if self.dtype == torch.float32:
             x = rms_norm_f32(x, *self._final_norm)
-            return self.hf.lm_head(x) if self.vocab is None else gemm_f32(x, self._head, self._head_bias)
-        x = inner.norm(x)
-        if self.vocab is None:
-            return self.hf.lm_head(x).float()
-        return gemv(x, self._head, self.vocab, self._head_bias).float()
+            logits = self.hf.lm_head(x) if self.vocab is None else gemm_f32(x, self._head, self._head_bias)
+        else:
+            x = inner.norm(x)
+            logits = self.hf.lm_head(x) if self.vocab is None else gemv(x, self._head, self.vocab, self._head_bias)
+        if self._logit_cap:  # in the model's dtype, as its CausalLM computes it
+            logits = torch.tanh(logits / self._logit_cap) * self._logit_cap
+        return logits.float()
 
     @property
     def max_rows(self) -> int:
