@@ -13,10 +13,10 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # One torch thread: on these 2-core machines two threads made small matmuls slower under load.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Served output is compared token for token with float32 references (`transformers` in float32, plain
-# against speculative steps): every worker the tests start serves float32. `dtype: auto` would pick
-# bfloat16 on a CPU with AVX512-BF16 or AMX, where a k-row step rounds differently from a 1-row one and a
-# near tie flips, so the suite would pass or fail by the CPU it runs on.
+# Served output is compared token for token with float32 references (`transformers` in float32): every worker
+# the tests start serves float32. `dtype: auto` would pick bfloat16 on a CPU with AVX512-BF16 or AMX, whose
+# answers part from a float32 reference where two logits nearly tie, so the suite would pass or fail by the CPU it
+# runs on. What `dtype: auto` serves is tested on its own (tests/test_same_answer_e2e.py).
 os.environ.setdefault("PDSERVE_DTYPE", "float32")
 
 import pytest
