@@ -50,3 +50,19 @@ def test_kernels_compile_for_sm90():
     # spec_verify: 2 draft kinds x 2 noise shapes; paged attention: 4 + 1 split-KV + 2 window/sinks/softcap;
     # kv pack/unpack: 12
     assert proc.stdout.count("ok ") == 23, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_gpu_engine_smoke(tmp_path):
+    """bench/gpu_engine.py (the device check's engine part) on the CPU with a few tokens, in float32 (where greedy
+    equality with transformers is exact but for ties): greedy equal to transformers, the same answer along the other
+    paths, a step time and a roofline printed."""
+    out = tmp_path / "engine.json"
+    proc = _run(["-P", "bench/gpu_engine.py", "--smoke", "--dtype", "float32", "--out", str(out)], {}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["greedy"] and all(g["equal"] for g in result["greedy"])
+    assert result["paths"] and all(all(p.values()) for p in result["paths"])
+    assert [s["batch"] for s in result["steps"]] == [1, 4]
+    assert all(s["step_ms"] > 0 and s["roofline_ms"] > 0 for s in result["steps"])
