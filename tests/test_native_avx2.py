@@ -59,14 +59,31 @@ CHILD = textwrap.dedent("""
     r.prefill("other", prompt[:90], reuse_prefix=False)
     batch = r.step([("other", [7]), ("chunked", [42]), ("cached", [42])])
     out["batch_equal"] = all(torch.equal(one, lg) for lg in batch[1:])
+
+    # float32: the GEMM's products saved for the parent (which computes them on its own build), and the same paths
+    g = torch.Generator().manual_seed(1)
+    w32, b32 = torch.randn(576, 200, generator=g), torch.randn(200, generator=g)
+    torch.save([cpu_decoder.gemm_f32(torch.randn(rows, 576, generator=g), w32, b32) for rows in range(1, 10)],
+               sys.argv[2])
+    r = PagedRunner(sys.argv[1], dtype=torch.float32, num_blocks=256)
+    out["native_rows32"] = r.native_rows()
+    alone = r.prefill("alone", prompt, reuse_prefix=False)
+    out["chunked_equal32"] = torch.equal(alone, r.prefill("chunked", prompt, chunk_size=17, reuse_prefix=False))
+    out["cached_equal32"] = torch.equal(alone, r.prefill("cached", prompt))
+    (one,) = r.step([("alone", [42])])
+    r.prefill("other", prompt[:90], reuse_prefix=False)
+    batch = r.step([("other", [7]), ("chunked", [42]), ("cached", [42])])
+    out["batch_equal32"] = all(torch.equal(one, lg) for lg in batch[1:])
     print(json.dumps(out))
 """)
 
 
-def test_the_avx2_build_serves_bfloat16_and_a_prompt_gets_the_same_logits_on_every_path(model_dir):
+def test_the_avx2_build_serves_bfloat16_and_float32_and_a_prompt_gets_the_same_logits_on_every_path(model_dir,
+                                                                                                    tmp_path):
     env = dict(os.environ, PDSERVE_NATIVE_MARCH="x86-64-v3", PDSERVE_NATIVE_DECODE="1", PDSERVE_CPU_ATTENTION="1")
-    r = subprocess.run([sys.executable, "-P", "-c", CHILD, str(model_dir)], capture_output=True, text=True,
-                       env=env, timeout=600)
+    products = tmp_path / "gemm_f32.pt"
+    r = subprocess.run([sys.executable, "-P", "-c", CHILD, str(model_dir), str(products)], capture_output=True,
+                       text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["isa"] == "avx2-fma"
@@ -76,6 +93,18 @@ def test_the_avx2_build_serves_bfloat16_and_a_prompt_gets_the_same_logits_on_eve
     assert got["chunked_equal"], "the prompt's last logits changed when it was computed in chunks of 17"
     assert got["cached_equal"], "the prompt's last logits changed when its prefix came from the cache"
     assert got["batch_equal"], "a decode row's logits changed inside a batch"
+    assert got["native_rows32"] > 0, "the native float32 layer did not take the model's steps"
+    assert got["chunked_equal32"] and got["cached_equal32"] and got["batch_equal32"], got
+    # the float32 GEMM is one FMA chain per output on either build: the AVX2 products are this build's, bit for bit
+    import torch
+
+    from pdserve.kernels import cpu_decoder
+
+    if cpu_decoder.float32_available():
+        g = torch.Generator().manual_seed(1)
+        w32, b32 = torch.randn(576, 200, generator=g), torch.randn(200, generator=g)
+        mine = [cpu_decoder.gemm_f32(torch.randn(rows, 576, generator=g), w32, b32) for rows in range(1, 10)]
+        assert all(torch.equal(a, b) for a, b in zip(torch.load(products), mine))
 
 
 def test_a_forced_level_this_cpu_lacks_is_refused_and_torch_serves(monkeypatch, caplog, tmp_path):
