@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from bench.spec_decode import rate, stream_request  # noqa: E402
 from bench.workloads import AGENT_TRACE, CODE_EDIT, FREE_CHAT, WorkloadPrompt  # noqa: E402

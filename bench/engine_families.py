@@ -3,7 +3,8 @@
 Part 1 (`--families`): the same-size random-weight checkpoint of each family (tests/tinymodels.py at
 `--hidden` x `--layers`) on `PagedRunner`: aggregate decode tokens/s of `step` at batch 1 and at
 batch 16, and their ratio (what 16 concurrent sequences gain over one), next to the Llama checkpoint's
-ratio: each family's ratio over Llama's is the scaling it keeps (acceptance: within 10%).
+ratio: each family's ratio over Llama's is the scaling it keeps (acceptance: within 10%); and each step's CPU time
+per parameter it reads, over Llama's (the native families: within 1.2x).
 
 Next to each paged rate, the same checkpoint in transformers itself (its own model with a `DynamicCache`,
 the loop `generate` runs, 16 prompts left-padded): decode tokens/s at batch 1 and 16, and the paged
@@ -20,6 +21,7 @@ neighbours) and of wall time. One torch thread.
     python bench/engine_families.py                               # both parts
     python bench/engine_families.py --families llama qwen3 --no-smollm2 --rounds 3 --out fam.json
     python bench/engine_families.py --dtypes float32 bfloat16 --no-families   # what bf16 costs on this CPU
+    python bench/engine_families.py --no-smollm2 --family-dtype bfloat16 --hidden 512 --rounds 3  # native families
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # `bench` from a checkout
-sys.path.insert(0, str(ROOT / "tests"))  # the family checkpoints the tests use
+sys.path.append(str(ROOT))  # `bench` from a checkout; appended: its kernels/ and operator/ must not shadow packages
+sys.path.append(str(ROOT / "tests"))  # the family checkpoints the tests use
 
 from bench.engine_throughput import Timer  # noqa: E402
 from pdserve.engine.runner import PagedRunner  # noqa: E402
@@ -151,9 +153,10 @@ def bench_families(args, tokdir: Path) -> list[dict]:
     rows = []
     for fam in args.families:
         path = make_tiny(fam, root, tokdir, hidden=args.hidden, layers=args.layers)
-        runner = PagedRunner(path, num_blocks=16 * -(-seq_tokens(args, prompts) // 16) + 8)
+        runner = PagedRunner(path, num_blocks=16 * -(-seq_tokens(args, prompts) // 16) + 8,
+                             dtype=getattr(torch, args.family_dtype))
         dec = Decoder(runner, prompts, fam)
-        hf = HFDecoder(path, prompts, tok.pad_token_id or 0)
+        hf = HFDecoder(path, prompts, tok.pad_token_id or 0, getattr(torch, args.family_dtype))
         dec.rates(2, 16)  # warm
         hf.rates(1, 16)
         r1, r16, h1, h16 = [], [], [], []
@@ -161,7 +164,11 @@ def bench_families(args, tokdir: Path) -> list[dict]:
             order = [(dec, 1, r1), (dec, 16, r16), (hf, 1, h1), (hf, 16, h16)]
             for d, batch, acc in (order if r % 2 == 0 else order[::-1]):
                 acc.append(d.rates(args.steps, batch))
-        row = {"family": fam, "params": sum(p.numel() for p in runner.model.parameters()),
+        # the parameters a decode step reads: all but the input embedding's table (a few rows of it)
+        embed = runner.model.hf.get_input_embeddings().weight
+        read = sum(p.numel() for p in runner.model.parameters() if p is not embed)
+        row = {"family": fam, "params": sum(p.numel() for p in runner.model.parameters()), "params_read": read,
+               "native": runner.model.native is not None,
                "windows": list(runner.layout.layer_windows),
                "batch1_tok_s_cpu": med([x[0] for x in r1]), "batch16_tok_s_cpu": med([x[0] for x in r16]),
                "batch1_tok_s_wall": med([x[1] for x in r1]), "batch16_tok_s_wall": med([x[1] for x in r16]),
@@ -177,6 +184,11 @@ def bench_families(args, tokdir: Path) -> list[dict]:
     base = next((r for r in rows if r["family"] == "llama"), None)
     for r in rows:
         r["scaling_vs_llama"] = r["scaling_cpu"] / base["scaling_cpu"] if base else None
+        # a step's CPU time per parameter it reads, over Llama's: 1.0 = as cheap per weight as Llama
+        for b in (1, 16):
+            per = 1 / r[f"batch{b}_tok_s_cpu"] / r["params_read"]
+            r[f"step_per_param_b{b}_vs_llama"] = per / (1 / base[f"batch{b}_tok_s_cpu"] / base["params_read"]) \
+                if base else None
     return rows
 
 
@@ -242,6 +254,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256, help="family checkpoints' width (heads of 16 dims)")
     ap.add_argument("--layers", type=int, default=4, help="family checkpoints' layer count")
     ap.add_argument("--checkpoints", default=None, help="folder for the family checkpoints (default: a temp dir)")
+    ap.add_argument("--family-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the families' dtype (both run the native layers where a family has them)")
     ap.add_argument("--smollm2", action=argparse.BooleanOptionalAction, default=True,
                     help="SmolLM2: the paged engine against transformers itself")
     ap.add_argument("--dtype", default="float32", help="SmolLM2 comparison's dtype")
@@ -266,13 +280,19 @@ def main() -> None:
 
     print()
     if args.families:
-        print(f"{'family':10} | {'params':>9} | {'b1 tok/s':>9} | {'b16 tok/s':>9} | {'b16/b1':>7} | {'vs llama':>8} | "
-              f"{'hf b1':>7} | {'hf b16':>7} | {'b1/hf':>6} | {'b16/hf':>6} | windows")
+        print(f"families in {args.family_dtype}; 'per param' = a step's CPU time per parameter it reads, over Llama's")
+        print(f"{'family':10} | {'native':>6} | {'params':>9} | {'b1 tok/s':>9} | {'b16 tok/s':>9} | {'b16/b1':>7} | "
+              f"{'vs llama':>8} | {'b1 per param':>12} | {'b16 per param':>13} | {'hf b1':>7} | {'hf b16':>7} | "
+              f"{'b1/hf':>6} | {'b16/hf':>6} | windows")
         for r in result["families"]:
             vs = f"{r['scaling_vs_llama']:.2f}x" if r["scaling_vs_llama"] is not None else "-"
-            print(f"{r['family']:10} | {r['params']:>9} | {r['batch1_tok_s_cpu']:>9.1f} | {r['batch16_tok_s_cpu']:>9.1f} | "
-                  f"{r['scaling_cpu']:>6.2f}x | {vs:>8} | {r['hf_batch1_tok_s_cpu']:>7.1f} | {r['hf_batch16_tok_s_cpu']:>7.1f} | "
-                  f"{r['paged_vs_hf_batch1']:>5.2f}x | {r['paged_vs_hf_batch16']:>5.2f}x | {r['windows'] or 'all full'}")
+            per = [f"{r[f'step_per_param_b{b}_vs_llama']:.2f}x" if r["scaling_vs_llama"] is not None else "-"
+                   for b in (1, 16)]
+            print(f"{r['family']:10} | {'yes' if r['native'] else 'no':>6} | {r['params']:>9} | "
+                  f"{r['batch1_tok_s_cpu']:>9.1f} | {r['batch16_tok_s_cpu']:>9.1f} | {r['scaling_cpu']:>6.2f}x | "
+                  f"{vs:>8} | {per[0]:>12} | {per[1]:>13} | {r['hf_batch1_tok_s_cpu']:>7.1f} | "
+                  f"{r['hf_batch16_tok_s_cpu']:>7.1f} | {r['paged_vs_hf_batch1']:>5.2f}x | "
+                  f"{r['paged_vs_hf_batch16']:>5.2f}x | {r['windows'] or 'all full'}")
     if args.smollm2:
         s = result["smollm2"]
         print(f"\nSmolLM2 ({s['dtype']}), tokens/s of CPU time; ratio = paged / transformers (median of rounds)")

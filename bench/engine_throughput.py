@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` from a checkout
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # `bench` from a checkout
 
 from bench.workloads import get_workloads  # noqa: E402
 from pdserve.engine.runner import PagedRunner  # noqa: E402

@@ -488,5 +488,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
+    sys.path.append(str(REPO))  # appended: the checkout's kernels/ and operator/ must not shadow packages
     sys.exit(main())
