@@ -40,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdserve.engine.calibrate import measure
     from pdserve.engine.runner import PagedRunner
-    from pdserve.engine.native import NativeDecoder
     from pdserve.modelstore import resolve_model
 
     model_dir = resolve_model(args.model)
@@ -49,14 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     if native.model.native is None:
         print("the native decoder does not run here (no AVX512-BF16 or AVX2 + FMA, no C compiler, or another architecture)")
         return 1
-    build = NativeDecoder.from_model
-
     def transformers_only(dtype):
-        NativeDecoder.from_model = classmethod(lambda cls, model: None)
-        try:
-            r = PagedRunner(model_dir, dtype=dtype, num_blocks=blocks, prefix_cache=False)
-        finally:
-            NativeDecoder.from_model = build
+        r = PagedRunner(model_dir, dtype=dtype, num_blocks=blocks, prefix_cache=False, native_layers=False)
         measure(r, [1, 4, 8, 16], context_tokens=64, repeats=1)  # its fastest layouts (the worker's calibration)
         return r
 

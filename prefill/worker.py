@@ -140,13 +140,9 @@ class PrefillWorker(WorkerBase):
         SENDER_MAPS.max_bytes = args.kv.shm_sender_map_bytes  # the process's one map of decode's segments
         self.chunk_size = max(1, args.chunk_size)
         self.max_batch_tokens = max(self.chunk_size, args.max_batch_tokens)
-        # bfloat16 on a CPU: the native decoder's packed weights too, for prompts and chunks of up to its rows
-        # (on AMX 256 by one thread: a 256-token SmolLM2-135M prompt 145 ms native, 162 through transformers; a
-        # 2-token prompt 20 ms, 70); other dtypes and devices have no use for small-step layouts here
-        import torch
-
-        native = torch.device(self.runner.device).type == "cpu" and self.runner.dtype == torch.bfloat16
-        self.engine = create_engine(self.runner, kv_capacity_bytes=args.kv_capacity_bytes, small_step_weights=native)
+        # no small-step layouts (prefill runs prompts); the native decoder where it serves the model, as decode's
+        # does, so a prompt's KV and first token are the bits decode would compute for it
+        self.engine = create_engine(self.runner, kv_capacity_bytes=args.kv_capacity_bytes, small_step_weights=False)
         self.jobs: deque[Job] = deque()  # requests, oldest first
         self._hint_step = False  # the running step computes pre-positioning hints only (it may yield)
         self.hints: OrderedDict[str, Job] = OrderedDict()  # pre-positioning, newest last

@@ -386,21 +386,19 @@ def test_without_prefix_cache_decode_keeps_blocks_consecutive_and_frees_them_out
     assert dec.pool.num_cached == 0 and dec.cached_hashes() == [] and dec.pool.num_free == 64
 
 
-def test_small_steps_use_the_cpu_weight_layouts(model_dir, monkeypatch):
+def test_small_steps_use_the_cpu_weight_layouts(model_dir):
     """Where transformers' forward serves (a model or CPU without the native layers): one row and more than 12
     multiply the transposed weight; two and three rows the `[out, in]` copy; four to twelve oneDNN's packed copy
     (see `cpustep.CpuLinear`). Each copy holds the same values, and the tied output projection's `[out, in]` copy
     is the embedding table itself. A prefill engine keeps none; nor does a model the native layers serve."""
     from pdserve.engine.cpustep import PACK_ROWS_HINT, CpuLinear
-    from pdserve.engine.native import NativeDecoder
 
     native = PagedRunner(model_dir, num_blocks=8)
     if native.model.native is not None:  # its layers' extra copies went with the layouts they served
         assert all(m.weight_rows is None and m.weight_packed is None
                    for m in native.model.layers.modules() if isinstance(m, CpuLinear))
     del native
-    monkeypatch.setattr(NativeDecoder, "from_model", classmethod(lambda cls, model: None))
-    runner = PagedRunner(model_dir, num_blocks=8)
+    runner = PagedRunner(model_dir, num_blocks=8, native_layers=False)
     hf = runner.model.hf
     lin = hf.model.layers[0].mlp.gate_proj.fused  # gate and up in one matmul
     assert isinstance(lin, CpuLinear) and lin.out_features == 2 * hf.config.intermediate_size

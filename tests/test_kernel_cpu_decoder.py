@@ -101,10 +101,10 @@ def test_the_float32_gemm_is_the_product_and_a_row_never_depends_on_its_neighbou
 
 
 def _float32_runners(model_dir):
-    """The native float32 layers, and transformers' own float32 forward (no native layers: small_step_weights
-    off), over the same checkpoint."""
+    """The native float32 layers, and transformers' own float32 forward (native_layers off), over the same
+    checkpoint."""
     native = PagedRunner(model_dir, dtype=torch.float32, num_blocks=64, prefix_cache=False)
-    exact = PagedRunner(model_dir, dtype=torch.float32, num_blocks=64, prefix_cache=False, small_step_weights=False)
+    exact = PagedRunner(model_dir, dtype=torch.float32, num_blocks=64, prefix_cache=False, native_layers=False)
     assert native.model.native is not None and exact.model.native is None
     return native, exact
 
@@ -139,9 +139,9 @@ def _compare_float32(model_dir, prompts: list[list[int]], text_ids: list[int]):
 def _runners(model_dir):
     native = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False)
     torch_bf16 = PagedRunner(model_dir, dtype=torch.bfloat16, num_blocks=64, prefix_cache=False,
-                             small_step_weights=False)
-    # the reference: transformers' own float32 forward (small_step_weights=False builds no native layers)
-    exact = PagedRunner(model_dir, dtype=torch.float32, num_blocks=64, prefix_cache=False, small_step_weights=False)
+                             native_layers=False)
+    # the reference: transformers' own float32 forward
+    exact = PagedRunner(model_dir, dtype=torch.float32, num_blocks=64, prefix_cache=False, native_layers=False)
     return native, torch_bf16, exact
 
 

@@ -285,12 +285,14 @@ class HFPagedModel(nn.Module):
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", attention_impl: str = "reference",
-                        small_step_weights: bool = True) -> "HFPagedModel":
+                        small_step_weights: bool = True, native_layers: bool = True) -> "HFPagedModel":
         """Load a checkpoint folder with transformers (its own architecture class, our dtype and device).
 
         On the CPU the projections become `linear.CpuLinear`s (q/k/v and gate/up fused); with
         `small_step_weights` they also keep the layouts for steps of 2-12 rows (a prefill worker never runs
-        such steps)."""
+        such steps). With `native_layers` (the default) a bfloat16 or float32 model on the CPU runs the native
+        decoder where it covers the model (`engine.native`), and the layouts its layers no longer need go;
+        without, transformers' forward always serves (a reference to compare with)."""
         from transformers import AutoModelForCausalLM
 
         try:
@@ -315,7 +317,7 @@ class HFPagedModel(nn.Module):
                 # a tied head's [out, in] layout is the embedding table itself
                 add_small_step_layouts(hf, {hf.get_output_embeddings(): embed.weight.detach()} if tied else None)
         model = cls(hf, attention_impl)
-        if torch.device(device).type == "cpu" and small_step_weights and dtype in (torch.bfloat16, torch.float32):
+        if torch.device(device).type == "cpu" and native_layers and dtype in (torch.bfloat16, torch.float32):
             from pdserve.engine.native import NativeDecoder
 
             model.native = NativeDecoder.from_model(model)

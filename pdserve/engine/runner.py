@@ -32,6 +32,7 @@ class PagedRunner:
     publishes no blocks to the prefix cache (decode, which never looks prompts up): freed blocks
     are then truly free, which keeps the pool's free space in long runs. `small_step_weights=False` leaves
     out the extra CPU weight layouts for steps of 2-12 rows (see `cpustep.CpuLinear`): prefill has no use for them.
+    `native_layers=False` keeps transformers' forward where the native decoder would serve (a reference).
     Raises `checkpoint.UnsupportedModel` (naming the architecture and what is missing) for a checkpoint it
     cannot serve.
     """
@@ -47,12 +48,13 @@ class PagedRunner:
         attention_impl: str | None = None,
         prefix_cache: bool = True,
         small_step_weights: bool = True,
+        native_layers: bool = True,
     ):
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         impl = attention_impl or ("cpu" if self.device.type == "cpu" else "auto")
         model = HFPagedModel.from_pretrained(self.model_dir, dtype=dtype, device=self.device, attention_impl=impl,
-                                             small_step_weights=small_step_weights)
+                                             small_step_weights=small_step_weights, native_layers=native_layers)
         shape = dict(num_layers=len(model.layers), kv_heads=model.kv_heads, head_dim=model.head_dim,
                      layer_windows=model.layer_windows)
         self.max_context, self.vocab_size = model.max_context, model.vocab_size
