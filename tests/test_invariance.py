@@ -151,3 +151,30 @@ def test_the_other_native_families_are_row_invariant_too(family, dtype, tmp_path
         r.rollback("chunks", len(prompt))
         for f in fillers:
             r.free(f)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_prefill_s_engine_and_decode_s_compute_a_prompt_to_the_same_bits(model_dir, dtype):
+    """Which worker computes a prompt must not matter (conditional disaggregation hands some to decode): the two
+    workers' engines, as they build them, give a prompt the same logits — prefill in its chunks, decode in its
+    local chunks beside its own rows — and the KV they leave gives the next step the same logits."""
+    from pdserve.config import DecodeConfig, PrefillConfig, load
+    from pdserve.decode.worker import DecodeWorker
+    from pdserve.prefill.worker import PrefillWorker
+
+    common = ["--model", str(model_dir), "--dtype", dtype, "--kv-capacity-bytes", str(64 << 20)]
+    prefill = PrefillWorker(load(PrefillConfig, common, environ={})).engine
+    decode = DecodeWorker(load(DecodeConfig, [*common, "--no-spec-calibrate"], environ={})).engine
+    if not decode.native_rows():
+        pytest.skip(f"no native {dtype} decoder on this CPU")
+    assert prefill.native_rows() == decode.native_rows(), "prefill does not run the decoder decode runs"
+    prompt = _prompt(prefill, 200, seed=21)
+    with torch.inference_mode():
+        on_prefill = prefill.prefill("p", prompt, chunk_size=128, reuse_prefix=False)
+        decode.prefill("other", _prompt(decode, 30, seed=22), reuse_prefix=False)
+        decode.start("p", prompt, reuse_prefix=False)
+        for i in range(0, len(prompt), 48):  # decode's local chunks, each beside another sequence's decode row
+            logits = decode.step([("other", [7 + i]), ("p", prompt[i:i + 48])], last_only=[False, True])
+        assert torch.equal(logits[1].reshape(-1), on_prefill.reshape(-1))
+        token = int(on_prefill.argmax())
+        assert torch.equal(prefill.step([("p", [token])])[0], decode.step([("p", [token])])[0])

@@ -1,4 +1,5 @@
-"""Same request, same answer, served at the default dtype (`dtype: auto`, bfloat16 on a CPU with AVX512-BF16).
+"""Same request, same answer, served at the default dtype (`dtype: auto`, bfloat16 on a CPU with AVX512-BF16) and
+at float32.
 
 A user sends one request several times, or among others, streamed or not, with speculation on or off, and must get
 the same tokens every time: the first computation of a prompt and a later prefix-cache hit, prefill computing it
@@ -25,14 +26,14 @@ LONG = (Path(__file__).parent / "data" / "long_prompt.txt").read_text()
 TOKENS = 24
 
 
-def _native_at_auto() -> str | None:
-    """Why the workers at `dtype: auto` would not run the native decoder here (None: they do)."""
+def _why_not_native(name: str) -> str | None:
+    """Why the workers at dtype `name` would not run the native decoder here (None: they do)."""
     from pdserve.checkpoint import resolve_dtype
     from pdserve.kernels import cpu_decoder
 
     import torch
 
-    dtype = resolve_dtype("auto")
+    dtype = resolve_dtype(name)
     if cpu_decoder.library() is None:
         return "no native decoder on this CPU (no AVX2 + FMA, or no kernels): transformers' GEMMs are not row-invariant"
     if dtype == torch.float32 and not cpu_decoder.float32_available():
@@ -45,14 +46,14 @@ def ports():
     return {"prefill": free_port(), "decode": free_port()}
 
 
-@pytest.fixture(scope="module")
-def cluster(nats_server, model_dir, ports):
-    why = _native_at_auto()
+@pytest.fixture(scope="module", params=["auto", "float32"])
+def cluster(nats_server, model_dir, ports, request):
+    why = _why_not_native(request.param)
     if why:
         pytest.skip(why)
-    # the suite's workers serve float32 (conftest); these serve what a user gets. Prompts queued 64 tokens deep
+    # what a user gets by default (bfloat16 on a CPU with AVX512-BF16), and float32. Prompts queued 64 tokens deep
     # at prefill are offered to decode uncomputed, so a burst has prompts computed on both workers.
-    c = LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds, env={"PDSERVE_DTYPE": "auto"}, worker_args={
+    c = LocalCluster(str(model_dir), 1, 1, nats=nats_server.creds, env={"PDSERVE_DTYPE": request.param}, worker_args={
         "prefill": ["--defer-queue-tokens", "64", "--metrics-port", str(ports["prefill"])],
         "decode": ["--metrics-port", str(ports["decode"])]})
     c.start()
