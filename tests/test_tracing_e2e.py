@@ -136,3 +136,19 @@ def test_unsampled_client_trace_records_nothing(traced):
     wait_for(lambda: sum(s.trace_id == marker and s.name.endswith(".request") for s in receiver.spans()) == 2,
              "the sampled request's worker spans", 30)
     assert not [s for s in receiver.spans() if s.trace_id == trace_id]
+
+
+def test_a_malformed_client_traceparent_starts_a_trace_of_its_own(traced):
+    """W3C trace context: a traceparent that does not parse is ignored, not an error."""
+    cluster, receiver = traced
+    out = _post(cluster.url + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2},
+                {"traceparent": "00-not-a-trace-01"})
+
+    def front_root():
+        return next((s for s in receiver.spans() if s.name == "POST /v1/completions"
+                     and s.attributes.get("pdserve.request_id") == out["id"]), None)
+
+    root = wait_for(front_root, "the request's front span", 30)
+    assert root.parent_id == "" and len(root.trace_id) == 32
+    wait_for(lambda: sum(s.trace_id == root.trace_id and s.name.endswith(".request") for s in receiver.spans()) == 2,
+             "the workers' spans in the front's new trace", 30)
