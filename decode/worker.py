@@ -237,6 +237,9 @@ class DecodeWorker(WorkerBase):
         self.m_preempted = Counter("pdserve_decode_preemptions_total", "sequences preempted for KV room",
                                    registry=r)
         self.m_recompute = Counter("pdserve_kv_recompute_total", "handoffs whose KV was lost and recomputed", registry=r)
+        self.m_kv_failed = Counter("pdserve_kv_transfer_failures_total", "KV transfers that failed, by side",
+                                   ["side"], registry=r)
+        self.m_kv_failed.labels("receiver")  # a zero from the start: a rate over it is 0, not absent
         self.m_handoffs = Counter("pdserve_decode_handoffs_total", "handoff offers", ["outcome"], registry=r)
         self.m_local = Counter("pdserve_decode_local_prefills_total", "prompts prefill handed over uncomputed "
                                "(its queue was long) and computed here, by outcome", ["outcome"], registry=r)
@@ -562,6 +565,7 @@ class DecodeWorker(WorkerBase):
                 await self._emit(seqs[0], kind="handoff", kv_bytes=stats["bytes"],
                                  kv_seconds=time.monotonic() - accepted_at)
             except TransferError as e:
+                self.m_kv_failed.labels("receiver").inc()
                 if spans is not None:
                     spans.child("handoff.import", t_wait, error=str(e))
                 if not (seqs := await self._continuation(offer, first)):

@@ -116,6 +116,9 @@ class Front:
         self.m_completion_tokens = Counter("pdserve_completion_tokens_total", "generated tokens", registry=r)
         self.m_hints = Counter("pdserve_preposition_hints_sent_total", "pre-positioning hints sent to prefill",
                                registry=r)
+        from pdserve.front.registry import RegistryCollector
+
+        r.register(RegistryCollector(self.registry, self.model_name))
 
     @staticmethod
     def _kv_bytes_per_token(cfg: dict, kv_dtype: str) -> int:

@@ -220,6 +220,9 @@ class PrefillWorker(WorkerBase):
                                   "the routed one was gone or refused (draining, full)", registry=r)
         self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV handoff time (offer to ACK)", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+        self.m_kv_failed = Counter("pdserve_kv_transfer_failures_total", "KV transfers that failed, by side",
+                                   ["side"], registry=r)
+        self.m_kv_failed.labels("sender")  # a zero from the start: a rate over it is 0, not absent
 
     def load_fields(self) -> dict:
         mean = lambda d: sum(d) / len(d) if d else 0.0  # noqa: E731
@@ -635,6 +638,7 @@ class PrefillWorker(WorkerBase):
             self.m_requests.labels("handed_off").inc()
         except TransferError as e:  # decode owns the request and applies its failure policy
             log.warning("streamed KV for %s to %s failed: %s", job.req.request_id, st.reply.worker_id, e)
+            self.m_kv_failed.labels("sender").inc()
             error = str(e)
         finally:
             self.transfer_backlog -= 1
@@ -909,6 +913,7 @@ class PrefillWorker(WorkerBase):
             except TransferError as e:
                 # decode owns the request now and applies its failure policy (recompute or fail)
                 log.warning("KV send for %s to %s failed: %s", req.request_id, reply.worker_id, e)
+                self.m_kv_failed.labels("sender").inc()
                 if spans is not None:
                     spans.child("handoff.transfer", t_send, error=str(e), **self._transfer_attrs(reply, kv.nbytes))
                 return
