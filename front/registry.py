@@ -155,6 +155,12 @@ class WorkerRegistry:
     def models(self) -> set[str]:
         return {r.model for r in self.alive()}
 
+    def snapshot(self) -> list[tuple[LoadReport, float, bool]]:
+        """Every worker still beating, draining ones included: (its last report, seconds since, draining)."""
+        now = self.clock()
+        return [(rep, now - seen, key in self._leaving) for key, (seen, rep) in sorted(self._workers.items())
+                if now - seen <= rep.stale_after_s]
+
 
 ROLES = ("prefill", "decode", "draft")
 

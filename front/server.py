@@ -47,6 +47,10 @@ log = logging.getLogger("pdserve.front")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_IGNORED_NAMED = 32  # unknown fields named in the response header and the log, at most
+# what /workers shows of each worker's LoadReport: its load, not its addresses or cache contents
+WORKER_FIELDS = {"worker_id", "role", "model", "pool", "pod", "queue_depth", "queue_wait_seconds", "running", "waiting",
+                 "kv_utilization", "transfer_backlog_handoffs", "ttft_seconds", "itl_seconds", "tokens_per_second",
+                 "spec_acceptance_rate", "requests_per_second"}
 
 
 class RequestFailed(Exception):
@@ -156,6 +160,7 @@ class Front:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/workers", self.workers)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_post("/v1/completions", self.completions)
@@ -224,6 +229,12 @@ class Front:
     async def metrics_handler(self, request):
         self.m_queue.set(sum(self.inflight.values()))
         return web.Response(body=generate_latest(self.metrics), content_type="text/plain", charset="utf-8")
+
+    async def workers(self, request):
+        """The workers this front routes to, from their load reports (what `pdserve top` shows per worker)."""
+        rows = [{**rep.model_dump(include=WORKER_FIELDS), "age_seconds": round(age, 3), "draining": draining}
+                for rep, age, draining in self.registry.snapshot()]
+        return web.json_response({"model": self.model_name, "workers": rows})
 
     async def openapi(self, request):
         return web.json_response(openapi_document(self.model_name, auth=bool(self.api_key)))

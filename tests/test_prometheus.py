@@ -1,12 +1,14 @@
 """The chart's dashboard and alerts against real parts: Debian's Prometheus scraping a local deployment's
 /metrics under load evaluates every panel's query (each must return data) and every alert expression (each
-must parse and evaluate), and promtool checks the rendered rules."""
+must parse and evaluate), and promtool checks the rendered rules. `pdserve top` reads the same deployment."""
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -51,15 +53,23 @@ def monitoring():
 
 
 @pytest.fixture(scope="module")
-def prometheus(nats_server, model_dir, monitoring, tmp_path_factory):
-    prom_bin, _ = _tools()
-    tmp = tmp_path_factory.mktemp("prometheus")
+def deployment(nats_server, model_dir):
+    """A local deployment whose workers serve /metrics too (decode speculating): (cluster, worker metric ports)."""
     ports = {"prefill": free_port(), "decode": free_port()}
     cluster = LocalCluster(str(model_dir), prefill_workers=1, decode_workers=1, nats=nats_server.creds,
                            worker_args={"prefill": ["--metrics-port", str(ports["prefill"])],
                                         "decode": ["--metrics-port", str(ports["decode"]), "--spec-method", "ngram",
                                                    "--spec-k-policy", "fixed", "--spec-max-k", "4"]})
     cluster.start()
+    yield cluster, ports
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(deployment, monitoring, tmp_path_factory):
+    prom_bin, _ = _tools()
+    cluster, ports = deployment
+    tmp = tmp_path_factory.mktemp("prometheus")
     (tmp / "rules.yaml").write_text(yaml.safe_dump(monitoring[1]))
     targets = {"front": f"127.0.0.1:{cluster.port}", **{k: f"127.0.0.1:{v}" for k, v in ports.items()}}
     config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(tmp / "rules.yaml")],
@@ -82,7 +92,6 @@ def prometheus(nats_server, model_dir, monitoring, tmp_path_factory):
         proc.terminate()
         proc.wait(30)
         log.close()
-        cluster.stop()
 
 
 def _load(url: str, requests: int = 8, concurrency: int = 2) -> None:
@@ -141,3 +150,28 @@ def test_every_panel_returns_data_and_every_alert_evaluates_under_load(prometheu
     seen = wait_for(evaluated, "Prometheus evaluating the alert rules", 30)
     assert {r["health"] for r in seen} == {"ok"}, [(r["name"], r.get("lastError")) for r in seen if r["health"] != "ok"]
     assert len(seen) == sum(len(g["rules"]) for g in rules["groups"])
+
+
+def test_pdserve_top_once_shows_the_deployment(deployment):
+    """`pdserve top --once` reads the front's /metrics and /workers (and the workers' /metrics) of a live deployment."""
+    cluster, ports = deployment
+    _load(cluster.url, requests=2, concurrency=1)
+    out = subprocess.run([sys.executable, "-P", "-m", "pdserve.cli", "top", "--url", cluster.url, "--once",
+                          "--interval", "0.5", *(a for p in ports.values() for a in ("--metrics", f"http://127.0.0.1:{p}/metrics"))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "\x1b[" not in text, "no ANSI codes when the output is not a terminal"
+    assert "model SmolLM2-135M-Instruct" in text
+    assert re.search(r"pools  prefill 1  decode 1 .* P:D 1\.00", text), text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("prefill-0", "decode-0"))}
+    assert rows["prefill-0"][1:3] == ["prefill", "ok"] and rows["decode-0"][1:3] == ["decode", "ok"], text
+    ttft = re.search(r"^TTFT \S+\s+p50\s+(\d+) (ms|s)", text, re.M)
+    assert ttft and float(ttft.group(1)) > 0, text
+    assert "speculation" in text and "! " not in text, text
+
+
+def test_pdserve_top_says_when_there_is_no_deployment():
+    out = subprocess.run([sys.executable, "-P", "-m", "pdserve.cli", "top", "--url", f"http://127.0.0.1:{free_port()}",
+                          "--once"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "cannot read" in out.stderr
