@@ -6,16 +6,14 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 
 import pytest
 import yaml
 
+from bench.promlocal import Prometheus, binaries
 from pdserve.local import LocalCluster
 from pdserve.natsserver import free_port
 from servinghelpers import post, wait_for
@@ -27,21 +25,11 @@ RATE_WINDOW = "1m"  # what Grafana's $__rate_interval stands for here (1 s scrap
 
 
 def _tools() -> tuple[str, str]:
-    prom, promtool = shutil.which("prometheus"), shutil.which("promtool")
-    if not (prom and promtool):
+    found = binaries()
+    if found is None:
         pytest.skip("prometheus/promtool absent: scripts/setup.sh test installs Debian's prometheus package "
                     "(apt-get install prometheus)")
-    return prom, promtool
-
-
-def query(base: str, expr: str) -> dict:
-    """Prometheus' instant query API → its JSON answer (status "error" for an expression that does not parse)."""
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:  # 400/422: a parse or evaluation error, with its message
-        return json.loads(e.read())
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -69,29 +57,10 @@ def deployment(nats_server, model_dir):
 def prometheus(deployment, monitoring, tmp_path_factory):
     prom_bin, _ = _tools()
     cluster, ports = deployment
-    tmp = tmp_path_factory.mktemp("prometheus")
-    (tmp / "rules.yaml").write_text(yaml.safe_dump(monitoring[1]))
     targets = {"front": f"127.0.0.1:{cluster.port}", **{k: f"127.0.0.1:{v}" for k, v in ports.items()}}
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(tmp / "rules.yaml")],
-              "scrape_configs": [{"job_name": "pdserve", "static_configs": [
-                  {"targets": [t], "labels": {"pool": pool}} for pool, t in targets.items()]}]}
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = open(tmp / "prometheus.log", "wb")
-    proc = subprocess.Popen([prom_bin, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        def scraped():
-            up = query(base, "up")["data"]["result"]
-            return len(up) == 3 and all(r["value"][1] == "1" for r in up)
-        wait_for(scraped, "Prometheus scraping the front, prefill and decode", 60, retry_on=(OSError,))
-        yield cluster, base
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+    with Prometheus(targets, tmp_path_factory.mktemp("prometheus"), rule_groups=monitoring[1], binary=prom_bin) as prom:
+        prom.wait_scraping()
+        yield cluster, prom
 
 
 def _load(url: str, requests: int = 8, concurrency: int = 2) -> None:
@@ -114,18 +83,18 @@ def test_promtool_accepts_the_rendered_rules(monitoring, tmp_path):
 
 
 def test_every_panel_returns_data_and_every_alert_evaluates_under_load(prometheus, monitoring):
-    cluster, base = prometheus
+    cluster, prom = prometheus
     _load(cluster.url)
     # two scrapes after the load ended: every counter's rate has its points inside the window
     t_end = time.time()
-    wait_for(lambda: float(query(base, "max(timestamp(up))")["data"]["result"][0]["value"][1]) > t_end + 2,
+    wait_for(lambda: float(prom.query("max(timestamp(up))")["data"]["result"][0]["value"][1]) > t_end + 2,
              "two more scrapes", 30)
     dashboard, rules = monitoring
     empty, failed = [], []
     for panel in (p for p in dashboard["panels"] if p["type"] != "row"):
         for target in panel["targets"]:
             expr = target["expr"].replace("$__rate_interval", RATE_WINDOW)
-            out = query(base, expr)
+            out = prom.query(expr)
             if out["status"] != "success":
                 failed.append(f"{panel['title']}: {expr}: {out.get('error')}")
             elif not out["data"]["result"]:
@@ -134,17 +103,15 @@ def test_every_panel_returns_data_and_every_alert_evaluates_under_load(prometheu
     assert not empty, "panel queries with no data under load:\n" + "\n".join(empty)
     for group in rules["groups"]:
         for rule in group["rules"]:
-            out = query(base, rule["expr"])
+            out = prom.query(rule["expr"])
             assert out["status"] == "success", f"alert {rule['alert']}: {out.get('error')}"
     # the SLO burn rules read the bucket the objective names: it exists (a typo'd le would read nothing)
     for metric, le in (("pdserve_time_to_first_token_seconds", "2.0"), ("pdserve_inter_token_latency_seconds", "0.2")):
-        assert query(base, f'{metric}_bucket{{le="{le}"}}')["data"]["result"], f"{metric} has no bucket le={le}"
+        assert prom.query(f'{metric}_bucket{{le="{le}"}}')["data"]["result"], f"{metric} has no bucket le={le}"
 
     # Prometheus itself evaluates the loaded rules every second: none fails
     def evaluated():
-        with urllib.request.urlopen(base + "/api/v1/rules", timeout=10) as r:
-            groups = json.loads(r.read())["data"]["groups"]
-        rules_seen = [r for g in groups for r in g["rules"]]
+        rules_seen = prom.rules()
         return rules_seen if rules_seen and all(r.get("lastEvaluation", "").startswith("20") for r in rules_seen) \
             else None
     seen = wait_for(evaluated, "Prometheus evaluating the alert rules", 30)

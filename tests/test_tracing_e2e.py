@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from otlpreceiver import OtlpReceiver
+from bench.otlp_sink import OtlpReceiver
 from pdserve.local import LocalCluster
 from servinghelpers import wait_for
 

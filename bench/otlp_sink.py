@@ -1,4 +1,5 @@
-"""A small OTLP/HTTP trace receiver for tests: what the workers export, decoded with opentelemetry-proto."""
+"""A small OTLP/HTTP trace receiver: what pdserve exports, decoded with opentelemetry-proto (the span-tree test
+reads it; bench/peer.py exports to it when it measures tracing on)."""
 from __future__ import annotations
 
 import gzip
