@@ -373,9 +373,12 @@ class PrefillWorker(WorkerBase):
             log.debug("uncomputed offer of %s to %s not placed: %s", req.request_id, target, e)
             reply = None
         job.offering = False
-        if job.trace is not None:
-            self._trace_offer(job.trace, t_offer, req, reply if reply is not None else "not placed",
-                              **{"pdserve.kv_deferred": True, "pdserve.queue_ahead_tokens": ahead})
+        if job.trace is not None:  # a refusal is routine here (the prompt stays): an event, not a failed span
+            if reply is not None and reply.accepted:
+                self._trace_offer(job.trace, t_offer, req, reply,
+                                  **{"pdserve.kv_deferred": True, "pdserve.queue_ahead_tokens": ahead})
+            else:
+                job.trace.event("deferral_refused", **{"pdserve.reason": reply.error if reply else "not placed"})
         if reply is not None and reply.accepted:
             self.m_requests.labels("deferred").inc()
             await self._finish_job(job)
