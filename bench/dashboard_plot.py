@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model("default")
     tok = AutoTokenizer.from_pretrained(model_dir)
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-dashboard-"))
+    (workdir / "logs").mkdir()
     ports = {"prefill": free_port(), "decode": free_port()}
     cluster = LocalCluster(str(model_dir), log_dir=str(workdir / "logs"),
                            worker_args={"prefill": ["--metrics-port", str(ports["prefill"])],
@@ -152,5 +153,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
+    sys.path.append(str(REPO))  # appended: the checkout's kernels/ must not shadow the `kernels` package transformers reads
     sys.exit(main())
