@@ -1048,7 +1048,8 @@ class DecodeWorker(WorkerBase):
                 try:
                     await self._commit(s, d, tokens, dt, logprobs)
                 except Exception as e:  # one request's bug must not stop the loop for everyone
-                    log.exception("committing tokens of %s failed", s.key)
+                    with logs.request(s.request_id):
+                        log.exception("committing tokens of %s failed", s.key)
                     if self.running.pop(s.key, None) is not None:
                         self._release(s)
                         await self._emit(s, kind="error", error=f"decode failed: {e}", error_type="server_error",

@@ -355,6 +355,7 @@ class PrefillWorker(WorkerBase):
         """Offer `job`'s prompt uncomputed to the decode worker the front chose. Taken: decode answers for
         the request from now on. Refused or nobody there: the prompt stays here, in its place."""
         req = job.req
+        logs.bind(req.request_id)  # this task serves this request only
         offer = self._offer(req, self.runner.layout, len(job.token_ids), 0, [], kv_deferred=True,
                             queue_ahead_tokens=ahead)
         target = f"decode worker {req.decode_worker_id}"
@@ -400,6 +401,7 @@ class PrefillWorker(WorkerBase):
     async def _fetch_then_queue(self, job: Job) -> None:
         """Offload tier: bring a longer stored prefix into the pool's cache before the prompt starts.
         Any failure (absent, corrupt, another layout, NATS trouble) only means computing it here."""
+        logs.bind(job.req.request_id)  # this task serves this request only
         try:
             got = await self.prefix_store.get_longest_prefix(job.token_ids[:-1])
             if got is not None and got[1] > self._local_prefix(job.token_ids):

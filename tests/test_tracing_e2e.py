@@ -26,9 +26,11 @@ def traced(nats_server, model_dir):
     receiver = OtlpReceiver()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
            "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+    json_logs = ["--log-format", "json"]
     cluster = LocalCluster(str(model_dir), prefill_workers=1, decode_workers=1, nats=nats_server.creds, env=env,
                            worker_args={"decode": ["--spec-method", "ngram", "--spec-k-policy", "fixed",
-                                                   "--spec-max-k", "4"]})
+                                                   "--spec-max-k", "4", *json_logs],
+                                        "prefill": json_logs, "front": json_logs})
     cluster.start()
     yield cluster, receiver
     cluster.stop()
@@ -152,3 +154,26 @@ def test_a_malformed_client_traceparent_starts_a_trace_of_its_own(traced):
     assert root.parent_id == "" and len(root.trace_id) == 32
     wait_for(lambda: sum(s.trace_id == root.trace_id and s.name.endswith(".request") for s in receiver.spans()) == 2,
              "the workers' spans in the front's new trace", 30)
+
+
+def test_log_lines_name_their_request_and_trace_in_json(traced):
+    """`--log-format json`: a line logged for a request (here the front's warning about an unknown field) is a
+    JSON object carrying the request's id and its trace id."""
+    cluster, receiver = traced
+    trace_id = secrets.token_hex(16)
+    out = _post(cluster.url + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2,
+                                                  "frobnicate": 1},
+                {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+
+    def logged():
+        for line in (cluster.log_dir / "front.log").read_text().splitlines():
+            if line.startswith("{") and "frobnicate" in line:
+                return json.loads(line)
+        return None
+
+    line = wait_for(logged, "the front's log line about the ignored field", 30)
+    assert line["request_id"] == out["id"] and line["trace_id"] == trace_id
+    assert line["level"] == "WARNING" and line["logger"] == "pdserve.front"
+    for role in ("front", "prefill-0", "decode-0"):  # every log record of every process is JSON (progress bars are not records)
+        records = [ln for ln in (cluster.log_dir / f"{role}.log").read_text().splitlines() if '"level": ' in ln]
+        assert records and all(json.loads(ln)["message"] for ln in records), role
