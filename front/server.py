@@ -605,7 +605,12 @@ class Generation:
         try:
             if spans is not None:
                 t_queue = tracing.now_ns()
-            ack = await self._dispatch(preq, prefill.worker_id)
+            try:
+                ack = await self._dispatch(preq, prefill.worker_id)
+            except RequestFailed as e:
+                if spans is not None:
+                    spans.child("front.queue", t_queue, error=e.message)
+                raise
             if spans is not None:
                 spans.child("front.queue", t_queue, error=None if ack.accepted else ack.error,
                             **{"pdserve.prefill_worker": ack.worker_id, "pdserve.accepted": ack.accepted})

@@ -123,3 +123,47 @@ def test_request_id_follows_tasks_and_the_compute_thread():
 
     assert asyncio.run(main()) == ("cmpl-3", "cmpl-3", None)
     pool.shutdown()
+
+
+CONFIGURE = """
+import json, sys
+from pdserve import tracing
+on = tracing.configure("prefill")
+spans = tracing.start_request("prefill.request", None) if on else None
+print(json.dumps({"on": on, "recording": spans.recording if spans else None,
+                  "service": tracing._provider.resource.attributes.get("service.name") if on else None}))
+"""
+
+
+def _configure(env: dict, tmp_path, hide_sdk: bool = False) -> tuple[dict, str]:
+    """`tracing.configure` in a fresh process with `env` (the console exporter: nothing leaves the process)."""
+    import os
+    import subprocess
+    import sys
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    full.update(env)
+    if hide_sdk:  # an `opentelemetry` that fails to import: the SDK absent
+        (tmp_path / "opentelemetry").mkdir()
+        (tmp_path / "opentelemetry" / "__init__.py").write_text("raise ImportError('absent')\n")
+        full["PYTHONPATH"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-P", "-c", CONFIGURE], env=full, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1]), out.stderr
+
+
+def test_the_standard_variables_set_sampling_and_service_name(tmp_path):
+    pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed")
+    base = {"OTEL_TRACES_EXPORTER": "console"}
+    got, _ = _configure(base, tmp_path)
+    assert got == {"on": True, "recording": True, "service": "pdserve-prefill"}
+    got, _ = _configure({**base, "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}, tmp_path)
+    assert got["on"] and got["recording"] is False, "ratio 0 samples nothing"
+    got, _ = _configure({**base, "OTEL_SERVICE_NAME": "llm-prefill"}, tmp_path)
+    assert got["service"] == "llm-prefill"
+
+
+def test_without_the_sdk_tracing_stays_off_and_says_why(tmp_path):
+    got, err = _configure({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}, tmp_path, hide_sdk=True)
+    assert got == {"on": False, "recording": None, "service": None}
+    assert "pdserve[otel]" in err
