@@ -44,7 +44,27 @@ def _post(url: str, body: dict, headers: dict) -> dict:
 
 
 def test_one_request_is_one_trace_across_three_processes(traced):
-    cluster, receiver = traced
+    _assert_one_trace(*traced, streamed=False)
+
+
+def test_a_layer_streamed_handoff_is_traced_the_same_way(nats_server, model_dir):
+    """Prefill offers the KV from its last chunk's first layer and sends it layer by layer (`--kv-stream-layers`,
+    on where the pair shares no CPU lease): the same tree, the handoff spans marked as streamed."""
+    receiver = OtlpReceiver()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    cluster = LocalCluster(str(model_dir), prefill_workers=1, decode_workers=1, nats=nats_server.creds, env=env,
+                           cpu_lease=False, worker_args={"decode": ["--spec-method", "ngram", "--spec-k-policy",
+                                                                    "fixed", "--spec-max-k", "4"]})
+    cluster.start()
+    try:
+        _assert_one_trace(cluster, receiver, streamed=True)
+    finally:
+        cluster.stop()
+        receiver.close()
+
+
+def _assert_one_trace(cluster, receiver, streamed: bool) -> None:
+    """One request through `cluster` with a client traceparent; its export at `receiver` is the whole tree."""
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     t_start = time.time_ns()
     out = _post(cluster.url + "/v1/completions",
@@ -109,6 +129,8 @@ def test_one_request_is_one_trace_across_three_processes(traced):
     assert transfer.attributes["pdserve.kv.transport"] == imported.attributes["pdserve.kv.transport"] \
         in ("shm", "tcp", "nats")
     assert one["handoff.offer"].attributes["pdserve.accepted"] is True
+    for name in ("handoff.offer", "handoff.transfer"):
+        assert one[name].attributes.get("pdserve.kv.layer_streamed", False) is streamed, name
     assert one["handoff.offer"].end_ns <= transfer.start_ns
     assert imported.end_ns <= one["decode.admission"].start_ns <= one["decode.queue"].start_ns
     assert one["decode.queue"].end_ns <= min(s.start_ns for s in steps)
