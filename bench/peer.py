@@ -4,6 +4,10 @@ benchmark client people use (guidellm), on the same machine, model and dtype, in
     python bench/peer.py [--dtype bfloat16] [--streams 1,4,16] [--requests 16] [--rounds 3] [--json out.json]
                          [--pdserve-builds checkout,wheel,avx2,torch]
 
+What tracing costs (pdserve.tracing; absent, off and on at ratio 1.0 side by side, vLLM skipped):
+
+    python bench/peer.py --skip vllm --pdserve-builds trace-absent,trace-off,trace-on --rounds 3
+
 What it does, in order:
 
 1. Installs the peers once, each in a virtual environment of its own under
@@ -233,14 +237,37 @@ def start_vllm(py: Path, model_dir: Path, name: str, dtype: str, port: int, bind
 
 
 # pdserve's builds (`--pdserve-builds`): the environment each is started with
-BUILDS = ("checkout", "wheel", "avx2", "torch")
+BUILDS = ("checkout", "wheel", "avx2", "torch", "trace-absent", "trace-off", "trace-on")
+_SINK = None  # the OTLP receiver the trace-on build exports to, started once
+
+
+def _otlp_sink():
+    global _SINK
+    if _SINK is None:
+        from bench.otlp_sink import OtlpReceiver
+
+        _SINK = OtlpReceiver()
+    return _SINK
+
+
+def _hide_otel(workdir: Path) -> str:
+    """A folder whose `opentelemetry` package fails to import, for PYTHONPATH: the SDK absent."""
+    shim = workdir / "no-otel" / "opentelemetry"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "__init__.py").write_text('raise ImportError("hidden by bench/peer.py: the trace-absent build")\n')
+    return str(shim.parent)
 
 
 def build_env(build: str, workdir: Path) -> tuple[str, dict[str, str]]:
     """The label and environment of one pdserve build: `checkout` as this checkout serves (its prebuilt kernels
     if any, else compiled for -march=native); `wheel` the prebuilt kernels the wheel and the image carry (built
     now into `workdir`, no compiler at run time: the best variant this CPU runs); `avx2` the x86-64-v3 build
-    (a CPU without AVX-512); `torch` no native kernel (a machine with neither compiler nor prebuilt kernels)."""
+    (a CPU without AVX-512); `torch` no native kernel (a machine with neither compiler nor prebuilt kernels).
+
+    Tracing (`pdserve.tracing`): `trace-off` the checkout with no OpenTelemetry variable set (the default);
+    `trace-absent` the OpenTelemetry packages hidden from every process, the variables set (asked for, not
+    installed); `trace-on` every request traced (sampler ratio 1.0) and exported over OTLP/HTTP to a receiver in
+    this process, which counts what arrives."""
     if build == "checkout":
         return "pdserve", {}
     if build == "wheel":
@@ -257,6 +284,15 @@ def build_env(build: str, workdir: Path) -> tuple[str, dict[str, str]]:
         return "pdserve avx2", {"PDSERVE_NATIVE_MARCH": "x86-64-v3"}
     if build == "torch":
         return "pdserve torch", {"PDSERVE_CPU_ATTENTION": "0", "PDSERVE_NATIVE_DECODE": "0", "PDSERVE_CPU_SAMPLING": "0"}
+    if build == "trace-off":
+        return "pdserve tracing off", {}
+    if build in ("trace-absent", "trace-on"):
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": _otlp_sink().endpoint if build == "trace-on" else "http://127.0.0.1:9",
+               "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.0"}
+        if build == "trace-absent":
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [_hide_otel(workdir), os.environ.get("PYTHONPATH")]))
+            return "pdserve tracing absent", env
+        return "pdserve tracing on", env
     raise ValueError(f"unknown pdserve build {build!r}: one of {', '.join(BUILDS)}")
 
 
@@ -400,7 +436,9 @@ def print_table(results: dict[str, list[dict]], ours: str | list[str]) -> None:
             spread = f"{r.get('output_tok_s_min', r['output_tok_s']):.1f}-{r.get('output_tok_s_max', r['output_tok_s']):.1f}"
             print(f"{sysname:<26} {r['concurrency']!s:>3} {r['output_tok_s']:>10.1f} {spread:>13} "
                   f"{r['ttft_p50_ms']:>12.0f} {r['itl_p50_ms']:>11.1f} {r['errored']:>7}")
-    for mine, peer in [(m, p) for m in ours if m in results for p in peers]:  # --skip pdserve: the peers alone
+    measured = [m for m in ours if m in results]
+    # each pdserve build against the peers, and against the first build named (builds side by side)
+    for mine, peer in [(m, p) for m in measured for p in peers] + [(m, measured[0]) for m in measured[1:]]:
         print(f"\n{mine} / {peer}:  (tok/s: higher is better; TTFT, ITL: lower is better)")
         for a, b in zip(results[mine], results[peer]):
             print(f"  c={a['concurrency']!s:>3}  tok/s {a['output_tok_s'] / b['output_tok_s']:.2f}x   "
@@ -468,6 +506,10 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 stop(proc)
     results = {label: combine(rows) for label, rows in per_round.items()}
+    if _SINK is not None:
+        spans = _SINK.spans()
+        say(f"tracing on: the OTLP receiver got {len(spans)} spans of "
+            f"{len({s.trace_id for s in spans if s.name.startswith('POST ')})} traced requests")
 
     print(f"\nmodel {name}, dtype {args.dtype}, {args.prompt_tokens}-token prompts, {args.output_tokens}-token outputs, "
           f"{args.requests} requests per level, /v1/completions streaming (guidellm {GUIDELLM_VERSION}); "

@@ -61,6 +61,7 @@ from pdserve.kvtransfer.tcp_server import KVReceiver
 from pdserve.processors import SequenceProcessor, make_processor, token_logprobs
 from pdserve.sampling import TextStream, choice_seed, sample_rows, verification_randomness
 from pdserve.workerbase import WorkerBase, run_worker
+from pdserve import logs, tracing
 
 log = logging.getLogger("pdserve.decode")
 OFFER_DRAIN_S = 2.0  # at most this long to answer the offers NATS had already sent when leaving a subject
@@ -104,6 +105,12 @@ class Sequence:
     admitted: int = field(default_factory=lambda: next(_ADMISSIONS))  # admission order, for preemption
     last_step: int = -1  # the decode step that last included it (-1: none yet)
     prefilled: int = 0  # an uncomputed prompt (`kv_deferred`): its tokens computed here so far
+    # tracing (`pdserve.tracing`), None when the request is not traced: its request's spans, its steps' group,
+    # and when (ns) it began waiting for its next step or was preempted (0: not now)
+    trace: tracing.RequestSpans | None = None
+    step_spans: tracing.StepGroup | None = None
+    queued_ns: int = 0
+    preempted_ns: int = 0
 
     @property
     def context(self) -> list[int]:
@@ -166,6 +173,7 @@ class DecodeWorker(WorkerBase):
         self.running: OrderedDict[str, Sequence] = OrderedDict()
         self.receiving = 0
         self._cancelled: set[str] = set()
+        self._traces: dict[str, tracing.RequestSpans] = {}  # request id -> its spans here (only while tracing)
         self._wake = asyncio.Event()
         self._recent_itl: deque[float] = deque(maxlen=64)
         self.spec_method = args.spec.method
@@ -229,6 +237,9 @@ class DecodeWorker(WorkerBase):
         self.m_preempted = Counter("pdserve_decode_preemptions_total", "sequences preempted for KV room",
                                    registry=r)
         self.m_recompute = Counter("pdserve_kv_recompute_total", "handoffs whose KV was lost and recomputed", registry=r)
+        self.m_kv_failed = Counter("pdserve_kv_transfer_failures_total", "KV transfers that failed, by side",
+                                   ["side"], registry=r)
+        self.m_kv_failed.labels("receiver")  # a zero from the start: a rate over it is 0, not absent
         self.m_handoffs = Counter("pdserve_decode_handoffs_total", "handoff offers", ["outcome"], registry=r)
         self.m_local = Counter("pdserve_decode_local_prefills_total", "prompts prefill handed over uncomputed "
                                "(its queue was long) and computed here, by outcome", ["outcome"], registry=r)
@@ -360,6 +371,11 @@ class DecodeWorker(WorkerBase):
         except ProtocolError as e:
             await msg.respond(refuse(str(e)).encode())
             return
+        with logs.request(offer.request_id):
+            await self._answer_offer(msg, offer, refuse)
+
+    async def _answer_offer(self, msg, offer: HandoffOffer, refuse) -> None:
+        t_offer = tracing.now_ns() if tracing.enabled() else 0
         if self.draining:
             await msg.respond(refuse(f"decode worker {self.worker_id} is draining").encode())
             return
@@ -392,6 +408,7 @@ class DecodeWorker(WorkerBase):
                     await msg.respond(refuse(why, logging.DEBUG).encode())
                     return
                 accepted = True
+                self._start_trace(offer, t_offer)
                 await msg.respond(HandoffReply(accepted=True, worker_id=self.worker_id).encode())
                 self.m_handoffs.labels("accepted").inc()
                 self.spawn(self._take_prompt(offer))
@@ -408,12 +425,40 @@ class DecodeWorker(WorkerBase):
             self.receiving += 1
             self.receiving_tokens += offer.num_tokens
             accepted = True
+            self._start_trace(offer, t_offer)
             await msg.respond(reply.encode())
             self.m_handoffs.labels("accepted").inc()
             self.spawn(self._receive(offer, token, time.monotonic(), first))
         finally:
             if not accepted:
                 self._receiving_offers.pop(offer.request_id, None)
+
+    def _start_trace(self, offer: HandoffOffer, start_ns: int) -> None:
+        """The request's `decode.request` span from its offer's arrival, when traced."""
+        spans = tracing.start_request("decode.request", offer.traceparent, start_ns=start_ns, **{
+            "pdserve.request_id": offer.request_id, "pdserve.worker": self.worker_id,
+            "pdserve.sender": offer.sender_id, "pdserve.kv_deferred": offer.kv_deferred,
+            "gen_ai.usage.input_tokens": len(offer.prompt_token_ids)})
+        if spans is not None:
+            spans.open_choices = offer.sampling.n
+            self._traces[offer.request_id] = spans
+
+    def _end_trace(self, request_id: str, error: str | None = None) -> None:
+        spans = self._traces.pop(request_id, None)
+        if spans is not None:
+            spans.end(error=error, **{f"pdserve.{k}": v for k, v in spans.marks.items() if k != "start"})
+
+    def _sequence_ends(self, s: Sequence, fields: dict) -> None:
+        """A traced sequence's last event (done or error) is going out: its steps' last span, and the
+        request's span once every choice has ended."""
+        s.step_spans.flush()
+        m = s.trace.marks
+        for k, v in (("tokens", len(s.generated)), ("spec.drafted", s.draft_tokens), ("spec.accepted", s.accepted_tokens)):
+            m[k] = m.get(k, 0) + v
+        s.trace.open_choices -= 1
+        if fields["kind"] == "error" or s.trace.open_choices <= 0:
+            self._end_trace(s.request_id, fields.get("error"))
+        s.trace = None
 
     def _local_queued(self, but: str | None = None) -> int:
         """Tokens of the uncomputed prompts this worker holds still to compute, accepted ones not yet
@@ -438,6 +483,7 @@ class DecodeWorker(WorkerBase):
         """An uncomputed prompt just accepted: say on its stream that this worker now answers for it, and
         queue it for the decode loop, which computes it in chunks between (and within) its steps."""
         rid = offer.request_id
+        logs.bind(rid)  # this task serves this request only
         try:
             seqs = await self._continuation(offer, None)  # one, with nothing generated yet
             await self._emit(seqs[0], kind="handoff", kv_bytes=0, kv_seconds=0.0)
@@ -493,21 +539,37 @@ class DecodeWorker(WorkerBase):
 
     async def _receive(self, offer: HandoffOffer, token: str, accepted_at: float, first=None) -> None:
         rid = offer.request_id
+        logs.bind(rid)  # this task serves this request only
+        spans = self._traces.get(rid)
         seqs: list[Sequence] = []
         try:
             try:
+                t_wait = tracing.now_ns() if spans is not None else 0
                 kv, stats = await self.kv_channel.wait(token, self.transfer_timeout)
+                if spans is not None:
+                    spans.child("handoff.import", t_wait, **{
+                        "pdserve.kv.bytes": stats["bytes"], "pdserve.kv.wire_bytes": stats["wire_bytes"],
+                        "pdserve.kv.transport": stats["transport"], "pdserve.kv.compression": stats["compression"]})
                 self.m_kv_bytes.inc(stats["bytes"])  # received, whether or not there is anything to continue
                 self.m_kv_wire.labels(stats["transport"], stats["compression"]).inc(stats["wire_bytes"])
                 if not (seqs := await self._continuation(offer, first)):
+                    self._end_trace(rid)  # prefill ended the request itself
                     return
+                t_admit = tracing.now_ns() if spans is not None else 0
                 await self.compute(self._admit, offer, seqs, kv)
+                if spans is not None:
+                    spans.child("decode.admission", t_admit, **{"pdserve.choices": len(seqs),
+                                                                "pdserve.prompt_tokens": len(offer.prompt_token_ids)})
                 del kv
                 # handoff time as decode sees it: offer accepted -> KV in place, ready to decode
                 await self._emit(seqs[0], kind="handoff", kv_bytes=stats["bytes"],
                                  kv_seconds=time.monotonic() - accepted_at)
             except TransferError as e:
+                self.m_kv_failed.labels("receiver").inc()
+                if spans is not None:
+                    spans.child("handoff.import", t_wait, error=str(e))
                 if not (seqs := await self._continuation(offer, first)):
+                    self._end_trace(rid)
                     return
                 if offer.failure_policy != "recompute":
                     await self._emit(seqs[0], kind="error", error=f"KV handoff failed: {e}",
@@ -516,7 +578,11 @@ class DecodeWorker(WorkerBase):
                 log.warning("KV for %s lost (%s); recomputing the prompt here", rid, e)
                 self.m_recompute.inc()
                 await self._emit(seqs[0], kind="handoff", kv_bytes=0, kv_seconds=0.0)
+                t_admit = tracing.now_ns() if spans is not None else 0
                 await self.compute(self._admit, offer, seqs, None)
+                if spans is not None:
+                    spans.child("decode.admission", t_admit, **{"pdserve.recomputed": True,
+                                                                "pdserve.prompt_tokens": len(offer.prompt_token_ids)})
             except Exception as e:  # e.g. the pool filled up while the KV was in flight
                 log.exception("admitting %s failed", rid)
                 for key in {rid, *(s.key for s in seqs)}:
@@ -534,8 +600,11 @@ class DecodeWorker(WorkerBase):
             self._cancelled.discard(rid)
             for s in seqs:
                 self.engine.free(s.key)
+            self._end_trace(rid, "cancelled")
             return
         for s in seqs:
+            if s.trace is not None:
+                s.queued_ns = tracing.now_ns()
             self.running[s.key] = s
         self.m_running.set(len(self.running))
         self._wake.set()
@@ -568,6 +637,8 @@ class DecodeWorker(WorkerBase):
                                   self.runner.eos_token_ids)
             out.append(Sequence(offer, stream, events, generated, index=i, seed=choice_seed(offer.seed, i),
                                 processor=proc, max_k=self._request_max_k(offer)))
+            if (spans := self._traces.get(offer.request_id)) is not None:
+                out[-1].trace, out[-1].step_spans = spans, tracing.StepGroup(spans)
         return out
 
     def _admit(self, offer: HandoffOffer, seqs: list[Sequence], kv) -> None:
@@ -626,6 +697,8 @@ class DecodeWorker(WorkerBase):
                 self._release(s)
         if not found:
             self._cancelled.add(rid)
+        elif self._traces:
+            self._end_trace(rid, "cancelled")
 
     def _release(self, s: Sequence) -> None:
         self._chunk_blocked = False  # blocks given back: an uncomputed prompt's chunk may fit again
@@ -636,10 +709,14 @@ class DecodeWorker(WorkerBase):
         self.m_running.set(len(self.running))
 
     async def _publish(self, request_id: str, seq: int, **fields) -> None:
+        if self._traces and fields["kind"] == "error":
+            self._end_trace(request_id, fields.get("error"))
         await self.nc.publish(Subjects.stream(self.scope, request_id),
                               StreamEvent(request_id=request_id, seq=seq, worker_id=self.worker_id, **fields).encode())
 
     async def _emit(self, s: Sequence, **fields) -> None:
+        if s.trace is not None and fields["kind"] in ("done", "error"):
+            self._sequence_ends(s, fields)
         await self._publish(s.request_id, s.events.take(), index=s.index, **fields)
 
     # -- the decode loop -------------------------------------------------------------------
@@ -807,7 +884,12 @@ class DecodeWorker(WorkerBase):
                 continue
             s.last_step = -1  # it waited for memory, not for its turn: a fresh start in the rotation
             self.running[s.key] = s
-            log.info("resumed preempted %s (%d tokens recomputed)", s.key, len(s.context) - 1)
+            if s.trace is not None:
+                s.queued_ns = tracing.now_ns()
+                s.trace.child("decode.preempted", s.preempted_ns, s.queued_ns,
+                              **{"pdserve.recomputed_tokens": len(s.context) - 1})
+            with logs.request(s.request_id):
+                log.info("resumed preempted %s (%d tokens recomputed)", s.key, len(s.context) - 1)
 
     def _preempt(self, batch: list[Sequence]) -> None:
         """Out of KV blocks: the most recently admitted sequence gives its blocks back and waits."""
@@ -817,7 +899,11 @@ class DecodeWorker(WorkerBase):
         self.engine.free(victim.key)
         self.preempted.append(victim)
         self.m_preempted.inc()
-        log.warning("KV pool full: preempted %s (will recompute)", victim.key)
+        if victim.trace is not None:
+            victim.preempted_ns, victim.queued_ns = tracing.now_ns(), 0
+            victim.step_spans.flush()
+        with logs.request(victim.request_id):
+            log.warning("KV pool full: preempted %s (will recompute)", victim.key)
 
     def _next_chunk(self, budget: int, rows: int) -> tuple[Sequence, list[int]] | None:
         """The oldest uncomputed prompt's next `budget` tokens at most (all of its prompt but the last token,
@@ -841,6 +927,8 @@ class DecodeWorker(WorkerBase):
         if s.prefilled == len(s.offer.prompt_token_ids) - 1:
             del self.prefilling[s.key]
             self.m_local.labels("computed").inc()
+            if s.trace is not None:
+                s.queued_ns = tracing.now_ns()
             self.running[s.key] = s
             self.m_running.set(len(self.running))
 
@@ -898,6 +986,12 @@ class DecodeWorker(WorkerBase):
                     await asyncio.sleep(0.01)
                 continue
             t0 = time.perf_counter()
+            if traced := bool(self._traces):  # a step of a traced request: its wait ends here
+                t0_ns = tracing.now_ns()
+                for s in batch:
+                    if s.queued_ns:
+                        s.trace.child("decode.queue", s.queued_ns, t0_ns, **{"pdserve.batch": len(batch)})
+                        s.queued_ns = 0
             try:
                 committed = await self.compute(self._forward_and_verify, batch, drafts, chunk)
             except OutOfBlocks:
@@ -929,6 +1023,12 @@ class DecodeWorker(WorkerBase):
                 continue
             self._stepping = set()
             dt = time.perf_counter() - t0
+            if traced:
+                t1_ns = tracing.now_ns()
+                if chunk is not None and chunk[0].trace is not None:
+                    chunk[0].trace.child("decode.prefill_chunk", t0_ns, t1_ns, **{
+                        "pdserve.chunk.offset": chunk[0].prefilled, "pdserve.chunk.tokens": len(chunk[1]),
+                        "pdserve.batch": len(batch)})
             if chunk is not None:
                 self._chunk_done(chunk[0], len(chunk[1]))
             if not batch:
@@ -941,10 +1041,15 @@ class DecodeWorker(WorkerBase):
                 if s.key not in self.running:  # cancelled while the step ran
                     self._release(s)
                     continue
+                if traced and s.trace is not None:
+                    kd = len(d.token_ids) if d else 0
+                    s.step_spans.add(self.steps, t0_ns, t1_ns, len(tokens), kd, len(tokens) - 1 if kd else 0,
+                                     len(batch))
                 try:
                     await self._commit(s, d, tokens, dt, logprobs)
                 except Exception as e:  # one request's bug must not stop the loop for everyone
-                    log.exception("committing tokens of %s failed", s.key)
+                    with logs.request(s.request_id):
+                        log.exception("committing tokens of %s failed", s.key)
                     if self.running.pop(s.key, None) is not None:
                         self._release(s)
                         await self._emit(s, kind="error", error=f"decode failed: {e}", error_type="server_error",

@@ -90,6 +90,12 @@ def openapi_document(model_name: str, *, auth: bool) -> dict:
                                "responses": {"200": {"description": "ready", "content": {"application/json": {"schema": status}}},
                                              "503": {"description": "not ready",
                                                      "content": {"application/json": {"schema": status}}}}}},
+            "/workers": {"get": {"operationId": "workers", "summary": "the workers this front routes to and their "
+                                                                   "load (what `pdserve top` shows)",
+                                 "responses": {"200": {"description": "workers", "content": {"application/json": {
+                                     "schema": {"type": "object", "required": ["model", "workers"], "properties": {
+                                         "model": {"type": "string"},
+                                         "workers": {"type": "array", "items": {"type": "object"}}}}}}}}}},
             "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics",
                                  "responses": {"200": {"description": "text exposition format",
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

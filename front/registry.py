@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.basetypes import announced, prefix_hashes
 from pdserve.kvtransfer.protocol import LoadReport, ProtocolError, Subjects
@@ -27,6 +30,7 @@ class WorkerRegistry:
         self._cached: dict[str, frozenset[str]] = {}  # prefill worker id -> its announced block addresses
         self._leaving: dict[tuple[str, str], int] = {}  # (role, id) -> the generation that said bye
         self.malformed = 0
+        self.restarts: Counter[str] = Counter()  # role -> workers seen again under a newer generation
 
     async def attach(self, nc) -> None:
         await nc.subscribe(Subjects.load_all(self.scope), cb=self._on_load)
@@ -41,6 +45,8 @@ class WorkerRegistry:
         if r.scope != self.scope:
             return
         key = (r.role, r.worker_id)
+        if (prev := self._workers.get(key)) is not None and prev[1].generation != r.generation:
+            self.restarts[r.role] += 1
         if key in self._leaving and self._leaving[key] != r.generation:
             del self._leaving[key]  # restarted under the same id: a new worker
         self._workers[key] = (self.clock(), r)
@@ -148,3 +154,32 @@ class WorkerRegistry:
 
     def models(self) -> set[str]:
         return {r.model for r in self.alive()}
+
+    def snapshot(self) -> list[tuple[LoadReport, float, bool]]:
+        """Every worker still beating, draining ones included: (its last report, seconds since, draining)."""
+        now = self.clock()
+        return [(rep, now - seen, key in self._leaving) for key, (seen, rep) in sorted(self._workers.items())
+                if now - seen <= rep.stale_after_s]
+
+
+ROLES = ("prefill", "decode", "draft")
+
+
+class RegistryCollector:
+    """The registry on a Prometheus endpoint, read at scrape time: `pdserve_workers{role}` (workers taking
+    work: the pools' sizes, so the P:D ratio and what the autoscalers did) and
+    `pdserve_worker_restarts_total{role}` (a worker back under a newer generation: a crash loop shows here)."""
+
+    def __init__(self, registry: WorkerRegistry, model: str):
+        self.registry, self.model = registry, model
+
+    def collect(self):
+        workers = GaugeMetricFamily("pdserve_workers", "workers of the model taking new work, by role", labels=["role"])
+        restarts = CounterMetricFamily("pdserve_worker_restarts", "workers seen again under a newer generation "
+                                       "(restarted), by role", labels=["role"])
+        alive = Counter(r.role for r in self.registry.alive(model=self.model))
+        for role in ROLES:
+            workers.add_metric([role], alive[role])
+            restarts.add_metric([role], self.registry.restarts[role])
+        yield workers
+        yield restarts

@@ -41,11 +41,16 @@ from pdserve.kvtransfer.protocol import (
     Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects, TokenLogprob,
 )
 from pdserve.natsserver import NatsCredentials, close_connection
+from pdserve import logs, tracing
 
 log = logging.getLogger("pdserve.front")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_IGNORED_NAMED = 32  # unknown fields named in the response header and the log, at most
+# what /workers shows of each worker's LoadReport: its load, not its addresses or cache contents
+WORKER_FIELDS = {"worker_id", "role", "model", "pool", "pod", "queue_depth", "queue_wait_seconds", "running", "waiting",
+                 "kv_utilization", "transfer_backlog_handoffs", "ttft_seconds", "itl_seconds", "tokens_per_second",
+                 "spec_acceptance_rate", "requests_per_second"}
 
 
 class RequestFailed(Exception):
@@ -115,6 +120,9 @@ class Front:
         self.m_completion_tokens = Counter("pdserve_completion_tokens_total", "generated tokens", registry=r)
         self.m_hints = Counter("pdserve_preposition_hints_sent_total", "pre-positioning hints sent to prefill",
                                registry=r)
+        from pdserve.front.registry import RegistryCollector
+
+        r.register(RegistryCollector(self.registry, self.model_name))
 
     @staticmethod
     def _kv_bytes_per_token(cfg: dict, kv_dtype: str) -> int:
@@ -152,6 +160,7 @@ class Front:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/workers", self.workers)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_post("/v1/completions", self.completions)
@@ -220,6 +229,12 @@ class Front:
     async def metrics_handler(self, request):
         self.m_queue.set(sum(self.inflight.values()))
         return web.Response(body=generate_latest(self.metrics), content_type="text/plain", charset="utf-8")
+
+    async def workers(self, request):
+        """The workers this front routes to, from their load reports (what `pdserve top` shows per worker)."""
+        rows = [{**rep.model_dump(include=WORKER_FIELDS), "age_seconds": round(age, 3), "draining": draining}
+                for rep, age, draining in self.registry.snapshot()]
+        return web.json_response({"model": self.model_name, "workers": rows})
 
     async def openapi(self, request):
         return web.json_response(openapi_document(self.model_name, auth=bool(self.api_key)))
@@ -304,6 +319,21 @@ class Front:
     async def _handle(self, request: web.Request, chat: bool):
         endpoint = "chat" if chat else "completions"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # W3C: a traceparent that does not parse is ignored, and the request starts a trace of its own
+        client_trace = tracing.valid_traceparent(request.headers.get("traceparent"))
+        spans = None
+        if tracing.enabled():
+            spans = tracing.start_request(f"POST {request.path}", client_trace, server=True, **{
+                "pdserve.request_id": rid, "http.request.method": "POST", "url.path": request.path,
+                "gen_ai.request.model": self.model_name})
+            if spans is not None and not spans.recording:  # not sampled: the workers learn so from the context's flags
+                client_trace, spans = spans.traceparent(), None
+        with logs.request(rid, spans.trace_id if spans else None):
+            return await self._generate(request, chat, endpoint, rid, spans, client_trace)
+
+    async def _generate(self, request: web.Request, chat: bool, endpoint: str, rid: str,
+                        spans: "tracing.RequestSpans | None", client_trace: str | None):
+        t0 = spans.marks["start"] if spans is not None else 0
         headers: dict[str, str] = {}
         try:
             req = await self._parse(request, ChatCompletionRequest if chat else CompletionRequest)
@@ -320,8 +350,13 @@ class Front:
             params = self._sampling(req, len(prompt_ids), None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
         except RequestFailed as e:
             self.m_requests.labels(endpoint, str(e.status)).inc()
+            if spans is not None:
+                spans.child("front.parse", t0, error=e.message)
+                spans.end(error=e.message, **{"http.response.status_code": e.status})
             return error_response(e.status, e.message, e.type, code=e.code, headers=headers)
-        gen = Generation(self, rid, prompt_ids, params, req)
+        if spans is not None:
+            spans.child("front.parse", t0, **{"gen_ai.usage.input_tokens": len(prompt_ids)})
+        gen = Generation(self, rid, prompt_ids, params, req, spans, client_trace)
         if params.logprobs is not None:
             await asyncio.to_thread(TokenTexts.of, self.tokenizer)  # built once, off the event loop
         if req.stream:
@@ -462,8 +497,12 @@ class Choice:
 class Generation:
     """One request's life at the front: dispatch, then follow its events to the end."""
 
-    def __init__(self, front: Front, rid: str, prompt_ids: list[int], params: SamplingParams, req):
+    def __init__(self, front: Front, rid: str, prompt_ids: list[int], params: SamplingParams, req,
+                 spans: "tracing.RequestSpans | None" = None, client_trace: str | None = None):
         self.front, self.rid, self.prompt_ids, self.params, self.req = front, rid, prompt_ids, params, req
+        self.spans = spans  # this request's spans when traced (`pdserve.tracing`)
+        # what the workers' spans hang under: the request's span, or the client's context passed through
+        self.traceparent = spans.traceparent() if spans is not None else client_trace
         self.choices = [Choice(i) for i in range(params.n)]
         self.cached_tokens = 0  # prompt tokens prefill took from its prefix cache
         self.prepositioned = False  # … some of which pre-positioning computed ahead
@@ -515,21 +554,47 @@ class Generation:
         except Exception:
             pass
 
-    async def run(self):
-        """Yield (choice, token event) as tokens arrive and (choice, None) as each choice ends; raise
-        RequestFailed on any failure."""
+    def run(self):
+        """An async iterator of (choice, token event) as tokens arrive and (choice, None) as each choice ends;
+        it raises RequestFailed on any failure."""
+        return self._run() if self.spans is None else self._traced()
+
+    async def _traced(self):
+        """`_run`, ending the request's span with its outcome."""
+        spans = self.spans
+        try:
+            async for item in self._run():
+                yield item
+        except RequestFailed as e:
+            spans.end(error=e.message, **{"http.response.status_code": e.status})
+            raise
+        except BaseException as e:  # the client went away, the server stops
+            spans.end(error=f"ended early: {type(e).__name__}")
+            raise
+        spans.end(**{"http.response.status_code": 200, "gen_ai.usage.output_tokens": self.completion_tokens})
+
+    async def _run(self):
         f, a = self.front, self.front.args
         t0 = time.monotonic()
+        spans = self.spans
+        if spans is not None:
+            t_route = tracing.now_ns()
         decode = f.registry.pick_decode(f.model_name, f.inflight, f.inflight_bytes)
         prefill, hit = f.registry.pick_prefill(f.model_name, self.prompt_ids, f.prefill_inflight)
         if decode is None or prefill is None:
+            if spans is not None:
+                spans.child("front.route", t_route, error="no worker")
             raise RequestFailed(503, f"no {'decode' if decode is None else 'prefill'} worker is available for "
                                      f"{f.model_name}; retry later", "unavailable", code="no_worker")
+        if spans is not None:
+            spans.child("front.route", t_route, **{"pdserve.prefill_worker": prefill.worker_id,
+                                                   "pdserve.decode_worker": decode.worker_id,
+                                                   "pdserve.prefix_hit_tokens": hit})
         spec = self.req.speculation.model_dump(exclude_none=True) if self.req.speculation else None
         preq = PrefillRequest(request_id=self.rid, model=f.model_name, prompt_token_ids=self.prompt_ids,
                               sampling=self.params, seed=self.params.seed if self.params.seed is not None
                               else secrets.randbits(63), decode_worker_id=decode.worker_id,
-                              failure_policy=a.kv_failure_policy, spec=spec)
+                              failure_policy=a.kv_failure_policy, spec=spec, traceparent=self.traceparent)
         kv_bytes = (len(self.prompt_ids) + self.params.n * self.params.max_tokens) * f.kv_bytes_per_token
         f.inflight[decode.worker_id] += 1
         f.inflight_bytes[decode.worker_id] += kv_bytes
@@ -538,7 +603,17 @@ class Generation:
         finished = False
         queued = None  # (prefill worker, tokens) this request adds to its queue until the first token
         try:
-            ack = await self._dispatch(preq, prefill.worker_id)
+            if spans is not None:
+                t_queue = tracing.now_ns()
+            try:
+                ack = await self._dispatch(preq, prefill.worker_id)
+            except RequestFailed as e:
+                if spans is not None:
+                    spans.child("front.queue", t_queue, error=e.message)
+                raise
+            if spans is not None:
+                spans.child("front.queue", t_queue, error=None if ack.accepted else ack.error,
+                            **{"pdserve.prefill_worker": ack.worker_id, "pdserve.accepted": ack.accepted})
             if not ack.accepted:
                 raise RequestFailed(ack.status, f"prefill worker {ack.worker_id} refused the request: {ack.error}",
                                     "invalid_request_error" if ack.status < 500 else "server_error")
@@ -578,6 +653,9 @@ class Generation:
                                             code=ev.error_type)
                     if ev.kind == "handoff":
                         responsible = ("decode", ev.worker_id)
+                        if spans is not None:
+                            spans.event("handoff", **{"pdserve.decode_worker": ev.worker_id,
+                                                      "pdserve.kv_bytes": ev.kv_bytes})
                         if queued:  # prefill is done with it (a prompt handed over uncomputed: before its first token)
                             self._unqueue(queued)
                             queued = None
@@ -590,6 +668,8 @@ class Generation:
                         if first_token_at is None:
                             first_token_at = now
                             f.m_ttft.observe(now - t0)
+                            if spans is not None:
+                                spans.event("first_token", **{"pdserve.worker": ev.worker_id})
                             self.cached_tokens = ev.cached_tokens or 0
                             self.prepositioned = bool(ev.prepositioned)
                             if queued:
@@ -636,7 +716,7 @@ def main(argv: list[str]) -> int:
     from pdserve.workerbase import exit_now, setup_logging
 
     args = load(FrontConfig, argv, prog="pdserve front", description="the OpenAI-compatible HTTP front")
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format, "front")
     front = Front(args)
     log.info("front serving %s on http://%s:%d (NATS %s)", front.model_name, args.host, args.port, front.creds.url)
     web.run_app(front.app(), host=args.host, port=args.port, print=None, access_log=None,

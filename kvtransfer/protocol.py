@@ -38,6 +38,11 @@ Subjects (`{s}` the deployment scope — see LoadReport.scope —, `{m}` the ser
 | pdserve.v2.draft.{s}.{m} (queue)         | decode → pool    | DraftRequest → DraftReply    |
 | pdserve.v2.draft.{s}.{m}.report          | decode → pools   | DraftReport (fire and forget)|
 
+Trace context: `PrefillRequest` and `HandoffOffer` may carry a W3C `traceparent` (the front's request
+span, see `pdserve.tracing`), so prefill's and decode's spans join the request's one trace. The field is
+optional within v2 and left out of a message that has none: with tracing off, messages are byte for byte
+what they were before it existed, and a worker that predates it reads them.
+
 Object-store buckets (`Buckets`) are per scope too: `pdserve-kv-{s}` (the objstore transport) and
 `pdserve-prefix-{s}` (the prefix offload tier; per scope, so one deployment cannot probe which
 prompts another has seen).
@@ -55,6 +60,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
 from pdserve.basetypes import KVLayout, SamplingParams
+from pdserve.tracing import valid_traceparent
 
 PROTOCOL_VERSION = 2
 PREFIX = f"pdserve.v{PROTOCOL_VERSION}"
@@ -228,7 +234,10 @@ class Message(BaseModel):
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
-        return self.model_dump_json().encode()
+        return self.model_dump_json(exclude=self._unset_optional()).encode()
+
+    def _unset_optional(self) -> set[str] | None:
+        return None
 
     @classmethod
     def decode(cls, data: bytes):
@@ -293,10 +302,26 @@ class LoadReport(Message):
 
 # --- the request path -------------------------------------------------------------------------
 
+class Traced(Message):
+    """A request-path message that may carry the request's W3C trace context (see the module's doc)."""
+
+    traceparent: str | None = None
+
+    @field_validator("traceparent")
+    @classmethod
+    def _traceparent(cls, v: str | None) -> str | None:
+        if v is not None and valid_traceparent(v) != v:
+            raise ValueError(f"traceparent {v[:80]!r} is not a W3C trace context (00-<32 hex>-<16 hex>-<2 hex>)")
+        return v
+
+    def _unset_optional(self) -> set[str] | None:
+        return {"traceparent"} if self.traceparent is None else None
+
+
 FailurePolicy = Literal["recompute", "fail"]
 
 
-class PrefillRequest(Message):
+class PrefillRequest(Traced):
     """front → prefill (queue group): run this prompt, then hand the KV to `decode_worker_id`."""
 
     request_id: str
@@ -329,7 +354,7 @@ class Ack(Message):
     status: int = 500  # of a refusal: 400 when the request itself is invalid
 
 
-class HandoffOffer(Message):
+class HandoffOffer(Traced):
     """prefill → decode: a request's KV is ready; fenced by sender identity, generation and layout."""
 
     request_id: str

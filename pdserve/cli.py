@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("pdserve.prefill.worker:main", "run a prefill worker"),
     "decode": ("pdserve.decode.worker:main", "run a decode worker"),
     "draftpool": ("pdserve.draftpool.server:main", "run a draft pool: fleet-wide suffix drafts for decode workers"),
+    "top": ("pdserve.top:main", "a terminal view of a running deployment: pools, workers, queues, rates, latency"),
     "model": ("pdserve.modelcli:main", "fetch/convert models into the local cache"),
     "bench": ("pdserve.bench:main", "benchmarks: serving path vs transformers generate"),
     "operator": ("pdserve.operator.main:main", "run the Kubernetes operator (kopf)"),

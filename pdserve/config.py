@@ -168,6 +168,9 @@ class ProcessConfig(Settings):
     model: str = Field("default", description="checkpoint folder, or 'default' (SmolLM2-135M-Instruct)")
     served_model_name: str | None = Field(None, description="name clients use (default: the folder's name)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
+    log_format: Literal["text", "json"] = Field("text", description="log lines as text, or one JSON object a line "
+                                                                    "(time, level, logger, message, request_id, "
+                                                                    "trace_id)")
     scope: str | None = Field(None, description="deployment scope: processes serve requests of their own scope "
                                                 "only (default: NAMESPACE.ISVC in Kubernetes, else 'default')")
     isvc: str | None = Field(None, description="the InferenceService this process belongs to")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import gc
 import logging
 import os
@@ -38,10 +39,14 @@ log = logging.getLogger("pdserve.worker")
 HEARTBEAT_INTERVAL_S = 1.0
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    for noisy in ("nats", "asyncio"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+def setup_logging(level: str, fmt: str = "text", role: str | None = None) -> None:
+    """Logging (request ids on every line, JSON when asked: `pdserve.logs`) and, where the OpenTelemetry
+    variables ask for it, tracing (`pdserve.tracing`) of a serving process of `role`."""
+    from pdserve import logs, tracing
+
+    logs.setup(level, fmt)
+    if role is not None:
+        tracing.configure(role)
 
 
 def require_device(device: str) -> None:
@@ -106,8 +111,10 @@ class WorkerBase:
     # -- helpers for subclasses ----------------------------------------------------------------
 
     async def compute(self, fn, *args):
-        """Run `fn(*args)` on the compute thread (the one thread that touches the model)."""
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+        """Run `fn(*args)` on the compute thread (the one thread that touches the model), in the caller's
+        context (its lines log the caller's request id)."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute, contextvars.copy_context().run,
+                                                                fn, *args)
 
     def spawn(self, coro, *, background: bool = False) -> asyncio.Task:
         """Run `coro` as a task the worker cancels when it stops. `background`: a loop that lives as long
@@ -224,7 +231,7 @@ class WorkerBase:
 def run_worker(cls: type[WorkerBase], argv: list[str]) -> int:
     doc = sys.modules[cls.__module__].__doc__ or ""
     args = load(cls.settings, argv, prog=f"pdserve {cls.role}", description=doc.strip().split("\n")[0])
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format, cls.role)
     from pdserve.checkpoint import UnsupportedModel
 
     try:
@@ -242,6 +249,9 @@ def exit_now(status: int) -> None:
     Everything it held (NATS, sockets, shared memory) was released by then; the interpreter's own
     teardown would add seconds (a final garbage collection over torch's objects) to its stop bound.
     """
+    from pdserve import tracing
+
+    tracing.shutdown()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

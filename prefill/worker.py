@@ -72,6 +72,7 @@ from pdserve.kvtransfer.shm import SENDER_MAPS
 from pdserve.processors import make_processor, token_logprobs
 from pdserve.sampling import TextStream, sample_next
 from pdserve.workerbase import WorkerBase, run_worker
+from pdserve import logs, tracing
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -118,6 +119,7 @@ class Job:
     started_at: float = 0.0  # when its first chunk was scheduled
     stream: LayerStream | None = None  # its KV is being streamed layer by layer to decode
     offering: bool = False  # offered to decode uncomputed, no answer yet: not scheduled meanwhile
+    trace: tracing.RequestSpans | None = None  # its spans here, when traced
 
     @property
     def hint(self) -> bool:
@@ -214,6 +216,9 @@ class PrefillWorker(WorkerBase):
                                   "the routed one was gone or refused (draining, full)", registry=r)
         self.m_kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV handoff time (offer to ACK)", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+        self.m_kv_failed = Counter("pdserve_kv_transfer_failures_total", "KV transfers that failed, by side",
+                                   ["side"], registry=r)
+        self.m_kv_failed.labels("sender")  # a zero from the start: a rate over it is 0, not absent
 
     def load_fields(self) -> dict:
         mean = lambda d: sum(d) / len(d) if d else 0.0  # noqa: E731
@@ -294,6 +299,9 @@ class PrefillWorker(WorkerBase):
             return
         await msg.respond(Ack(accepted=True, worker_id=self.worker_id).encode())
         job = Job(f"req-{next(_JOB_IDS)}-{req.request_id}", list(req.prompt_token_ids), time.monotonic(), req)
+        job.trace = tracing.start_request("prefill.request", req.traceparent, **{
+            "pdserve.request_id": req.request_id, "pdserve.worker": self.worker_id,
+            "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
         self.queue_depth += 1
         self.m_queue.set(self.queue_depth)
         if self.prefix_store is not None:
@@ -343,9 +351,11 @@ class PrefillWorker(WorkerBase):
         """Offer `job`'s prompt uncomputed to the decode worker the front chose. Taken: decode answers for
         the request from now on. Refused or nobody there: the prompt stays here, in its place."""
         req = job.req
+        logs.bind(req.request_id)  # this task serves this request only
         offer = self._offer(req, self.runner.layout, len(job.token_ids), 0, [], kv_deferred=True,
                             queue_ahead_tokens=ahead)
         target = f"decode worker {req.decode_worker_id}"
+        t_offer = tracing.now_ns() if job.trace is not None else 0
         try:
             raw = await self.nc.request(Subjects.decode_handoff(self.scope, req.decode_worker_id), offer.encode(),
                                         timeout=self.offer_timeout)
@@ -360,9 +370,17 @@ class PrefillWorker(WorkerBase):
             log.debug("uncomputed offer of %s to %s not placed: %s", req.request_id, target, e)
             reply = None
         job.offering = False
+        if job.trace is not None:  # a refusal is routine here (the prompt stays): an event, not a failed span
+            if reply is not None and reply.accepted:
+                self._trace_offer(job.trace, t_offer, req, reply,
+                                  **{"pdserve.kv_deferred": True, "pdserve.queue_ahead_tokens": ahead})
+            else:
+                job.trace.event("deferral_refused", **{"pdserve.reason": reply.error if reply else "not placed"})
         if reply is not None and reply.accepted:
             self.m_requests.labels("deferred").inc()
             await self._finish_job(job)
+            if job.trace is not None:
+                job.trace.end(**{"pdserve.kv_deferred": True})
             return
         if reply is not None:
             log.debug("%s kept the prompt of %s: %s", target, req.request_id, reply.error)
@@ -379,6 +397,7 @@ class PrefillWorker(WorkerBase):
     async def _fetch_then_queue(self, job: Job) -> None:
         """Offload tier: bring a longer stored prefix into the pool's cache before the prompt starts.
         Any failure (absent, corrupt, another layout, NATS trouble) only means computing it here."""
+        logs.bind(job.req.request_id)  # this task serves this request only
         try:
             got = await self.prefix_store.get_longest_prefix(job.token_ids[:-1])
             if got is not None and got[1] > self._local_prefix(job.token_ids):
@@ -434,7 +453,8 @@ class PrefillWorker(WorkerBase):
     async def _fail(self, req: PrefillRequest, seq: int, message: str, status: int = 500,
                     error_type: str = "server_error") -> None:
         self.m_requests.labels("error").inc()
-        log.warning("request %s failed: %s", req.request_id, message)
+        with logs.request(req.request_id):
+            log.warning("request %s failed: %s", req.request_id, message)
         await self._publish(req, seq=seq, kind="error", error=message, error_type=error_type, status=status)
 
     # -- the scheduler ---------------------------------------------------------------------
@@ -584,9 +604,13 @@ class PrefillWorker(WorkerBase):
     async def _open_stream(self, job: Job) -> "LayerStream | None":
         req, layout, n = job.req, self.runner.layout, len(job.token_ids)
         offer = self._offer(req, layout, n, layout.payload_bytes(n), [], first_token_pending=True)
+        t_offer = tracing.now_ns() if job.trace is not None else 0
         raw = await self.nc.request(Subjects.decode_handoff(self.scope, req.decode_worker_id), offer.encode(),
                                     timeout=self.offer_timeout)
         reply = HandoffReply.decode(raw.data)
+        if job.trace is not None:
+            self._trace_offer(job.trace, t_offer, req, reply, **{"pdserve.kv.layer_streamed": True})
+            job.trace.marks["stream_opened"] = tracing.now_ns()
         if not reply.accepted:
             return None
         header = self.kv_channel.header(reply, req.request_id, layout, n)
@@ -606,6 +630,7 @@ class PrefillWorker(WorkerBase):
 
     async def _finish_stream(self, job: Job) -> None:
         st, nbytes = job.stream, self.runner.layout.payload_bytes(len(job.token_ids))
+        error = None
         try:
             await st.sender
             self.m_streamed.inc()
@@ -614,9 +639,14 @@ class PrefillWorker(WorkerBase):
             self.m_requests.labels("handed_off").inc()
         except TransferError as e:  # decode owns the request and applies its failure policy
             log.warning("streamed KV for %s to %s failed: %s", job.req.request_id, st.reply.worker_id, e)
+            self.m_kv_failed.labels("sender").inc()
+            error = str(e)
         finally:
             self.transfer_backlog -= 1
             self.transfer_backlog_bytes -= nbytes
+            if job.trace is not None and "stream_opened" in job.trace.marks:
+                job.trace.child("handoff.transfer", job.trace.marks["stream_opened"], error=error,
+                                **self._transfer_attrs(st.reply, nbytes, **{"pdserve.kv.layer_streamed": True}))
 
     def _abort_stream(self, job: Job, reason: str) -> None:
         if job.stream is not None:
@@ -664,6 +694,9 @@ class PrefillWorker(WorkerBase):
                     if not job.hint:
                         self._recent_wait.append(t0 - job.queued_at)
             self._hint_step = all(job.hint for job, _ in plan)
+            traced = tracing.enabled() and any(job.trace is not None for job, _ in plan)
+            if traced:
+                t0_ns, offsets = tracing.now_ns(), [job.done for job, _ in plan]
             try:
                 finished = await self.compute(self._step if self.lease is None else self._lent_step, plan)
             except HintYielded:
@@ -682,6 +715,8 @@ class PrefillWorker(WorkerBase):
                 continue
             self._steps += 1
             self.m_step.observe(sum(n for _, n in plan))
+            if traced:
+                self._trace_step(plan, offsets, t0_ns)
             for job, logits, kv in finished:
                 if job.hint:
                     self.hint_job = None
@@ -694,6 +729,21 @@ class PrefillWorker(WorkerBase):
             # let NATS callbacks (new prompts, cancels) run between steps
             await asyncio.sleep(0)
 
+    def _trace_step(self, plan: list[tuple[Job, int]], offsets: list[int], t0_ns: int) -> None:
+        """Spans of a step just computed: each traced prompt's chunk, and its wait before its first."""
+        t1_ns, total = tracing.now_ns(), sum(n for _, n in plan)
+        for (job, _), before in zip(plan, offsets):
+            if job.trace is None or not job.started:  # not traced, or left out of the step (no room)
+                continue
+            if not before:  # its first chunk: the cached prefix counts as done from here
+                job.trace.child("prefill.queue", job.trace.marks["start"], t0_ns,
+                                **{"pdserve.cached_tokens": job.cached, "pdserve.prefix_cache_hit": job.cached > 0})
+                before = job.cached
+            job.trace.child("prefill.chunk", t0_ns, t1_ns, **{
+                "pdserve.chunk.offset": before, "pdserve.chunk.tokens": job.done - before,
+                "pdserve.step.tokens": total, "pdserve.step.prompts": len(plan)})
+            job.trace.marks["computed"] = t1_ns
+
     async def _finish_job(self, job: Job, error: str | None = None, status: int = 500) -> None:
         """Take a request out of the queue; with `error`, report it on the request's stream."""
         if job.hint:
@@ -702,6 +752,8 @@ class PrefillWorker(WorkerBase):
         self.jobs.remove(job)
         self.queue_depth -= 1
         self.m_queue.set(self.queue_depth)
+        if error is not None and job.trace is not None:
+            job.trace.end(error=error)
         if error is not None:
             await self._fail(job.req, 0, error, status=status, error_type="server_error" if status == 500
                              else "unavailable")
@@ -714,6 +766,8 @@ class PrefillWorker(WorkerBase):
             await self.compute(self._drop, job)
             await self._finish_job(job)
             self.m_requests.labels("cancelled").inc()
+            if job.trace is not None:
+                job.trace.end(error="cancelled")
         # kept for a prompt still offered to decode: dropped here if decode refuses it
         self._cancelled &= {j.req.request_id for j in self.jobs if j.offering}
 
@@ -744,8 +798,10 @@ class PrefillWorker(WorkerBase):
     async def _first_token(self, job: Job, choice: tuple[int, list[dict] | None] | None, kv) -> None:
         """Stream the first token (`choice`, from `_choose_first`) and hand the KV to decode; with
         n > 1 (`choice` None) only the handoff: decode starts the choices."""
-        req = job.req
+        req, spans = job.req, job.trace
+        logs.bind(req.request_id, spans.trace_id if spans else None)  # this task serves this request only
         published = 0  # events on the request's stream so far
+        error = None
         try:
             self._recent_ttft.append(time.monotonic() - job.queued_at)
             self.m_cached.labels("cache").inc(job.cached)
@@ -754,7 +810,7 @@ class PrefillWorker(WorkerBase):
                 self.preposition_hits += 1
                 self.m_pp.labels("hit").inc()
             if choice is None:
-                await self._handoff(req, kv, [])
+                await self._handoff(req, kv, [], spans)
                 if self.prefix_store is not None:
                     await self._offload(job, kv)
                 return
@@ -764,6 +820,9 @@ class PrefillWorker(WorkerBase):
             await self._publish(req, seq=0, kind="token", token_ids=[first], text=text, cached_tokens=job.cached,
                                 prepositioned=job.prepositioned, logprobs=logprobs)
             published = 1
+            if spans is not None:
+                spans.child("prefill.first_token", spans.marks.get("computed", spans.marks["start"]),
+                            **{"pdserve.token_id": first, "pdserve.cached_tokens": job.cached})
             if stream.done:
                 self.m_requests.labels("finished").inc()
                 await self._publish(req, seq=1, kind="done", finish_reason=stream.finish_reason,
@@ -778,12 +837,16 @@ class PrefillWorker(WorkerBase):
                 if self.prefix_store is not None:
                     await self._offload(job, kv)
                 return
-            await self._handoff(req, kv, [first])
+            await self._handoff(req, kv, [first], spans)
             if self.prefix_store is not None:
                 await self._offload(job, kv)
         except Exception as e:  # never leave the client waiting on a request we took
             log.exception("prefill of %s failed", req.request_id)
-            await self._fail(req, published, f"prefill failed: {e}")
+            error = f"prefill failed: {e}"
+            await self._fail(req, published, error)
+        finally:
+            if spans is not None:
+                spans.end(error=error)
 
     def _offer(self, req: PrefillRequest, layout, num_tokens: int, kv_bytes: int, generated: list[int],
                first_token_pending: bool = False, **extra) -> HandoffOffer:
@@ -793,7 +856,7 @@ class PrefillWorker(WorkerBase):
             num_tokens=num_tokens, kv_bytes=kv_bytes, prompt_token_ids=req.prompt_token_ids,
             generated_token_ids=generated, first_token_pending=first_token_pending, sampling=req.sampling,
             seed=req.seed, next_seq=len(generated) or int(first_token_pending), failure_policy=req.failure_policy,
-            spec=req.spec, **extra,
+            spec=req.spec, traceparent=req.traceparent, **extra,
             **self.kv_channel.offer_fields(),
         )
 
@@ -829,30 +892,57 @@ class PrefillWorker(WorkerBase):
             subject, target = Subjects.decode_handoff_any(self.scope, self.model_name), "a decode worker of the model"
         return "; ".join(why)
 
-    async def _handoff(self, req: PrefillRequest, kv, generated: list[int]) -> None:
+    async def _handoff(self, req: PrefillRequest, kv, generated: list[int],
+                       spans: tracing.RequestSpans | None = None) -> None:
         kv = kv.for_handoff()  # a sliding-window layer's window only (the offload tier keeps every block)
         offer = self._offer(req, kv.layout, kv.num_tokens, kv.nbytes, generated)
         self.transfer_backlog += 1
         self.transfer_backlog_bytes += kv.nbytes
         t0 = time.monotonic()
         try:
+            t_offer = tracing.now_ns() if spans is not None else 0
             reply = await self._place(req, offer)
+            if spans is not None:
+                self._trace_offer(spans, t_offer, req, reply)
             if isinstance(reply, str):  # no decode worker took the request: it is ours to report
                 await self._fail(req, len(generated), reply, status=503, error_type="unavailable")
                 return
             header = self.kv_channel.header(reply, req.request_id, kv.layout, kv.num_tokens)
+            t_send = tracing.now_ns() if spans is not None else 0
             try:
                 await self.kv_channel.send(reply, header, kv)
             except TransferError as e:
                 # decode owns the request now and applies its failure policy (recompute or fail)
                 log.warning("KV send for %s to %s failed: %s", req.request_id, reply.worker_id, e)
+                self.m_kv_failed.labels("sender").inc()
+                if spans is not None:
+                    spans.child("handoff.transfer", t_send, error=str(e), **self._transfer_attrs(reply, kv.nbytes))
                 return
+            if spans is not None:
+                spans.child("handoff.transfer", t_send, **self._transfer_attrs(reply, kv.nbytes))
             self.m_kv_bytes.inc(kv.nbytes)
             self.m_kv_seconds.observe(time.monotonic() - t0)
             self.m_requests.labels("handed_off").inc()
         finally:
             self.transfer_backlog -= 1
             self.transfer_backlog_bytes -= kv.nbytes
+
+
+    @staticmethod
+    def _trace_offer(spans: tracing.RequestSpans, start_ns: int, req: PrefillRequest, reply: "HandoffReply | str",
+                     **attrs) -> None:
+        """The `handoff.offer` span: the offer until decode's answer (`reply`, or why nobody took it)."""
+        accepted = not isinstance(reply, str) and reply.accepted
+        spans.child("handoff.offer", start_ns, error=None if accepted else (reply if isinstance(reply, str)
+                                                                             else reply.error), **{
+            "pdserve.decode_worker": reply.worker_id if not isinstance(reply, str) else req.decode_worker_id,
+            "pdserve.rerouted": accepted and reply.worker_id != req.decode_worker_id, "pdserve.accepted": accepted,
+            **attrs})
+
+    @staticmethod
+    def _transfer_attrs(reply: HandoffReply, nbytes: int, **more) -> dict:
+        return {"pdserve.kv.bytes": nbytes, "pdserve.kv.transport": reply.transport,
+                "pdserve.kv.compression": reply.compression, "pdserve.decode_worker": reply.worker_id, **more}
 
 
 def main(argv: list[str]) -> int:

@@ -49,6 +49,17 @@ fi
 if [ "$what" = test ] && [ -x scripts/k8s-tools.sh ] && [ "${PDSERVE_SKIP_K8S:-0}" != 1 ]; then
   PYTHON=$PY bash scripts/k8s-tools.sh
 fi
+# Debian's Prometheus (with promtool), in which tests/test_prometheus.py evaluates the chart's dashboard queries
+# and alert rules against a local deployment (skipped, saying why, where it cannot be installed). Not for serving.
+if [ "$what" = test ] && ! command -v promtool >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+  echo "setup: installing Debian's prometheus package (Prometheus and promtool, for the dashboard test) ..." >&2
+  if ! DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q prometheus >/dev/null 2>&1; then
+    { $SUDO apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q prometheus >/dev/null; } \
+      || echo "setup: prometheus could not be installed; tests/test_prometheus.py will skip" >&2
+  fi
+fi
 # The peers the client-compatibility tests drive (vLLM's CPU build and its benchmark client, guidellm),
 # each in a venv of its own under ~/.cache/pdserve/peers (~5 min the first time). Not for serving.
 if [ "$what" = test ] && [ "${PDSERVE_SKIP_PEERS:-0}" != 1 ]; then

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -60,8 +61,9 @@ def test_values_schema_refuses_bad_values():
     assert bad.returncode != 0 and "replica" in bad.stderr
 
 
-@pytest.mark.parametrize("values", [[], NON_DEFAULT, ["--set", "nats.tls.enabled=true"]],
-                         ids=["default", "non-default", "nats-tls"])
+@pytest.mark.parametrize("values", [[], NON_DEFAULT, ["--set", "nats.tls.enabled=true"],
+                                    ["--set", "monitoring.dashboard.enabled=true"]],
+                         ids=["default", "non-default", "nats-tls", "dashboard"])
 def test_rendered_manifests_validate_strictly(values, tmp_path):
     if importlib.util.find_spec("kubernetes_validate") is None:
         pytest.skip("kubernetes-validate absent; run scripts/k8s-tools.sh")
@@ -285,3 +287,111 @@ def test_the_charts_nats_config_is_one_nats_server_accepts(values, tmp_path):
         op = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pdserve-operator")
         env_op = {e["name"]: e.get("value") for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
         assert env_op["PDSERVE_NATS_TLS_CA"] == "/etc/pdserve/nats/ca.crt"
+
+
+# -- monitoring: the Grafana dashboard, alerts and scrape targets ---------------------------------------
+
+MONITORING_CRDS = ["--api-versions", "monitoring.coreos.com/v1/PrometheusRule",
+                   "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
+                   "--api-versions", "monitoring.coreos.com/v1/PodMonitor"]
+MONITORING_ON = ["--set", "monitoring.dashboard.enabled=true", "--set", "monitoring.prometheusRule.enabled=true",
+                 "--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.podMonitor.enabled=true"]
+MONITORING_KINDS = {"PrometheusRule", "ServiceMonitor", "PodMonitor"}
+
+
+def _dashboard_map(docs: list[dict]) -> dict | None:
+    return next((d for d in docs if d["kind"] == "ConfigMap" and "grafana_dashboard" in d["metadata"]["labels"]), None)
+
+
+def test_monitoring_is_off_by_default_and_needs_its_crds():
+    assert _dashboard_map(render()) is None
+    assert not MONITORING_KINDS & {d["kind"] for d in render(*MONITORING_CRDS)}
+    # switched on where the Prometheus operator is absent: only the dashboard (a plain ConfigMap)
+    kinds = {d["kind"] for d in render(*MONITORING_ON)}
+    assert not MONITORING_KINDS & kinds and _dashboard_map(render(*MONITORING_ON)) is not None
+    assert MONITORING_KINDS <= {d["kind"] for d in render(*MONITORING_ON, *MONITORING_CRDS)}
+
+
+def test_dashboard_configmap_is_what_scripts_dashboard_writes():
+    spec = importlib.util.spec_from_file_location("dashboard", REPO / "scripts" / "dashboard.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (CHART / "dashboards" / "pdserve.json").read_text() == gen.render(), \
+        "the committed dashboard is stale: run python scripts/dashboard.py"
+    cm = _dashboard_map(render("--set", "monitoring.dashboard.enabled=true", "--set", "monitoring.dashboard.folder=LLM",
+                               "--set", "monitoring.dashboard.namespace=monitoring"))
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "monitoring" and cm["metadata"]["annotations"]["grafana_folder"] == "LLM"
+    assert json.loads(cm["data"]["pdserve.json"]) == gen.dashboard()
+    titles = {p["title"] for p in gen.dashboard()["panels"]}
+    for want in ("Time to first token", "Inter-token latency", "End-to-end request latency", "Tokens per second",
+                 "Queue depths per pool", "KV pool use", "Transfer bandwidth", "Transfer failures and backlog",
+                 "Speculation acceptance", "P:D ratio", "Autoscaler: workers per pool and their signals"):
+        assert want in titles
+
+
+def exported_metric_names() -> set[str]:
+    """Every metric name the serving code declares (`"pdserve_..."` in its sources), with the series names
+    prometheus_client derives from it (histograms' _bucket/_count/_sum, a counter family's _total)."""
+    names = set()
+    for folder in ("pdserve", "front", "prefill", "decode", "kvtransfer", "autoscale"):
+        for path in (REPO / folder).rglob("*.py"):
+            names |= set(re.findall(r'"(pdserve_[a-z0-9_]+)"', path.read_text()))
+    derived = {n + s for n in names for s in ("_bucket", "_count", "_sum")}
+    derived |= {n + "_total" for n in names if not n.endswith("_total")}
+    return names | derived
+
+
+def monitoring_queries() -> list[tuple[str, str]]:
+    """(where, PromQL) of every dashboard query and alert expression the chart renders."""
+    docs = render(*MONITORING_ON, *MONITORING_CRDS)
+    dash = json.loads(_dashboard_map(docs)["data"]["pdserve.json"])
+    out = [(f"panel {p['title']!r}", t["expr"]) for p in dash["panels"] if p["type"] != "row" for t in p["targets"]]
+    rules = next(d for d in docs if d["kind"] == "PrometheusRule")
+    out += [(f"alert {r['alert']}", r["expr"]) for g in rules["spec"]["groups"] for r in g["rules"]]
+    return out
+
+
+def test_every_metric_the_dashboard_and_alerts_read_is_one_the_code_exports():
+    known = exported_metric_names()
+    for where, expr in monitoring_queries():
+        used = set(re.findall(r"\bpdserve_[a-z0-9_]+", expr))
+        assert used, f"{where} reads no pdserve metric"
+        assert not used - known, f"{where} reads {sorted(used - known)}, which no serving code exports"
+
+
+def test_alert_rules_cover_the_failure_modes_and_take_their_thresholds():
+    docs = render(*MONITORING_ON, *MONITORING_CRDS, "--set-string", "monitoring.prometheusRule.slo.ttftSeconds=0.5",
+                  "--set-json", "monitoring.prometheusRule.kvUtilization=0.8", "--set",
+                  "monitoring.prometheusRule.labels.release=kube-prometheus-stack")
+    rules = next(d for d in docs if d["kind"] == "PrometheusRule")
+    assert rules["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    alerts = {r["alert"]: r for g in rules["spec"]["groups"] for r in g["rules"]}
+    for want in ("PdserveTTFTBudgetBurn", "PdserveITLBudgetBurn", "PdserveTTFTBudgetBurnSlow", "PdserveKVTransfersStalled",
+                 "PdserveKVTransferFailures", "PdserveDecodePoolAtCapacity", "PdservePrefillPoolAtCapacity",
+                 "PdserveWorkersFlapping"):
+        assert want in alerts
+    assert 'le="0.5"' in alerts["PdserveTTFTBudgetBurn"]["expr"]
+    assert alerts["PdserveDecodePoolAtCapacity"]["expr"].endswith("> 0.8")
+    assert all(r["labels"]["severity"] for r in alerts.values())
+    # an objective that is not a bucket bound could never be measured: refused
+    bad = helm("template", "rel", str(CHART), "--set-string", "monitoring.prometheusRule.slo.ttftSeconds=3",
+               check=False)
+    assert bad.returncode != 0 and "ttftSeconds" in bad.stderr
+
+
+def test_scrape_targets_select_the_operators_pods_and_services():
+    docs = render(*MONITORING_ON, *MONITORING_CRDS, "--set", "monitoring.podMonitor.interval=30s")
+    pm = next(d for d in docs if d["kind"] == "PodMonitor")
+    sm = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    for mon, endpoints in ((pm, "podMetricsEndpoints"), (sm, "endpoints")):
+        assert mon["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "pdserve",
+                                                          "app.kubernetes.io/managed-by": "pdserve-operator"}
+        assert mon["spec"]["namespaceSelector"] == {"any": True}
+        # the workers' port and the front's (see operator/reconcile.py)
+        assert [e["port"] for e in mon["spec"][endpoints]] == ["metrics", "http"]
+        assert {"pool", "isvc"} <= {r["targetLabel"] for r in mon["spec"][endpoints][0]["relabelings"]}
+    assert {e["interval"] for e in pm["spec"]["podMetricsEndpoints"]} == {"30s"}
+    from pdserve.operator.reconcile import labels
+
+    assert labels("x", "decode")["app.kubernetes.io/managed-by"] == "pdserve-operator"

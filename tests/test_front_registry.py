@@ -141,3 +141,30 @@ def test_routing_prefers_the_cached_prefix_balanced_against_load_and_decode_by_f
     assert busy == "cold"
     assert roomy == "roomy"
     assert after_sends == "full"
+
+
+def test_pool_sizes_and_restarts_on_the_front_metrics(nats_server):
+    """`pdserve_workers{role}` counts the workers taking work; a worker back under a newer generation counts
+    as a restart (what the dashboard's P:D ratio and the flapping alert read)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.front.registry import RegistryCollector
+
+    async def go():
+        async with await nats.connect(**nats_server.creds.connect_kwargs()) as nc:
+            reg = WorkerRegistry("ns.llama")
+            await reg.attach(nc)
+            prom = CollectorRegistry()
+            prom.register(RegistryCollector(reg, "m"))
+            for role, wid, gen in [("prefill", "p1", 1), ("prefill", "p2", 1), ("decode", "d1", 1),
+                                   ("decode", "d1", 1), ("decode", "d1", 2), ("decode", "d2", 1)]:
+                r = LoadReport(worker_id=wid, role=role, model="m", scope="ns.llama", generation=gen)
+                await nc.publish(Subjects.load("ns.llama", role, wid), r.encode())
+            await until(lambda: len(reg.alive()) == 4 and reg.restarts["decode"], "the reports")
+            return generate_latest(prom).decode()
+
+    text = asyncio.run(go())
+    assert 'pdserve_workers{role="prefill"} 2.0' in text and 'pdserve_workers{role="decode"} 2.0' in text
+    assert 'pdserve_workers{role="draft"} 0.0' in text
+    assert 'pdserve_worker_restarts_total{role="decode"} 1.0' in text
+    assert 'pdserve_worker_restarts_total{role="prefill"} 0.0' in text

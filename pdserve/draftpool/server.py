@@ -200,6 +200,6 @@ async def serve(cfg: DraftPoolConfig) -> None:
 
 def main(argv: list[str]) -> int:
     cfg = load(DraftPoolConfig, argv, prog="pdserve draftpool", description=__doc__.strip().split("\n")[0])
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level, cfg.log_format)
     asyncio.run(serve(cfg))
     return 0
