@@ -68,6 +68,37 @@ static inline bf16 round_bf16(float f) { /* round to nearest even, as torch's fl
 static inline bf16 mul_bf16(bf16 a, bf16 b) { return round_bf16(f32(a) * f32(b)); }
 static inline bf16 add_bf16(bf16 a, bf16 b) { return round_bf16(f32(a) + f32(b)); }
 
+/* A row's experts: the top k of softmax(logits [E]) (ties: the lower index), their probabilities renormalised
+ * over the k where `norm`; `p` is E floats of scratch. In float32, in a fixed order. */
+static void route_row(const float *logits, int E, int K, int norm, float *p, int *sel, float *prob) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int e = 0; e < E; e++) m = logits[e] > m ? logits[e] : m;
+    for (int e = 0; e < E; e++) p[e] = expf(logits[e] - m), sum += p[e];
+    for (int e = 0; e < E; e++) p[e] /= sum;
+    for (int k = 0; k < K; k++) {
+        int best = 0;
+        for (int e = 1; e < E; e++) best = p[e] > p[best] ? e : best;
+        sel[k] = best, prob[k] = p[best], p[best] = -1.0f;
+    }
+    if (norm) {
+        float total = 0.0f;
+        for (int k = 0; k < K; k++) total += prob[k];
+        for (int k = 0; k < K; k++) prob[k] /= total;
+    }
+}
+
+/* The rows that chose expert e, in row order, and which of their k slots it is; returns how many. */
+static int expert_rows(const int *sel, int rows, int K, int e, int *idx, int *slot) {
+    int n = 0;
+    for (int r = 0; r < rows; r++)
+        for (int k = 0; k < K; k++)
+            if (sel[r * K + k] == e) idx[n] = r, slot[n] = k, n++;
+    return n;
+}
+
+static uint8_t *kept_moe; /* the experts' scratch, kept between calls (main thread) */
+static size_t kept_moe_cap;
+
 /* GELU, tanh approximation, as torch's CPU kernel computes it in float32 */
 static inline float gelu_tanh(float x) {
     const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
@@ -833,6 +864,12 @@ struct layer_weights {
     float softcap;
     int gemma_norm; /* norms are Gemma's: every norm weight above is float32 (1 + weight) */
     int gelu;       /* the MLP's gate takes GELU (tanh approximation), not SiLU */
+    /* a mixture of experts in place of the MLP (Qwen3-MoE; router NULL: the dense gate_up/down above): the router's
+     * packed [hidden -> n_experts], each expert's packed gate/up and down one after another (strides in elements),
+     * top_k experts a row, their probabilities renormalised over the k where norm_topk */
+    const bf16 *router, *experts_gate_up, *experts_down;
+    int64_t expert_gu_stride, expert_down_stride;
+    int n_experts, top_k, norm_topk;
 };
 
 /* a norm of the layer, Llama's or Gemma's (whose weights are float32 1 + w) */
@@ -1061,6 +1098,48 @@ static int plan_attention(struct layer_task *t, int S, int *n_items, int *n_chun
     return 0;
 }
 
+/* The experts in place of the MLP, from the normed rows t->x into t->proj, as transformers' bfloat16 block:
+ * router logits rounded, softmax and top-k in float32, the k probabilities rounded; each expert runs on the rows
+ * that chose it (gathered: a row's products never depend on its neighbours), and a row's output adds each
+ * expert's, times its probability, in expert order, every product and sum rounded. Returns 0 or -1 (memory). */
+static int moe_mlp(struct layer_task *t) {
+    const struct layer_weights *w = t->w;
+    const int rows = t->rows, H = t->hidden, I = t->inter, E = w->n_experts, K = w->top_k;
+    const size_t need = (size_t)rows * E * (2 + 4) + (size_t)rows * K * (4 + 4 + 2) + (size_t)rows * 2 * 4 +
+                        (size_t)rows * (2 * H + 3 * I) * 2 + (size_t)E * 4 + 6 * 64;
+    if (grow((void **)&kept_moe, &kept_moe_cap, need)) return -1;
+    uint8_t *at = kept_moe;
+#define CARVE(type, n) ((type *)(at = (uint8_t *)(((uintptr_t)at + 63) & ~(uintptr_t)63), at += (n) * sizeof(type), at - (n) * sizeof(type)))
+    bf16 *logits = CARVE(bf16, (size_t)rows * E);
+    float *lf = CARVE(float, (size_t)rows * E), *prob = CARVE(float, (size_t)rows * K), *p = CARVE(float, E);
+    int *sel = CARVE(int, (size_t)rows * K), *idx = CARVE(int, rows), *slot = CARVE(int, rows);
+    bf16 *wt = CARVE(bf16, (size_t)rows * K), *xe = CARVE(bf16, (size_t)rows * H), *gu = CARVE(bf16, (size_t)rows * 2 * I);
+    bf16 *act = CARVE(bf16, (size_t)rows * I), *oe = CARVE(bf16, (size_t)rows * H);
+#undef CARVE
+    project(t->x, H, rows, w->router, E, H, NULL, logits, E);
+    for (int r = 0; r < rows; r++) {
+        for (int e = 0; e < E; e++) lf[(size_t)r * E + e] = f32(logits[(size_t)r * E + e]);
+        route_row(lf + (size_t)r * E, E, K, w->norm_topk, p, sel + (size_t)r * K, prob + (size_t)r * K);
+        for (int k = 0; k < K; k++) wt[(size_t)r * K + k] = round_bf16(prob[(size_t)r * K + k]);
+    }
+    memset(t->proj, 0, (size_t)rows * H * sizeof(bf16));
+    for (int e = 0; e < E; e++) {
+        const int n = expert_rows(sel, rows, K, e, idx, slot);
+        if (!n) continue;
+        for (int j = 0; j < n; j++) memcpy(xe + (size_t)j * H, t->x + (size_t)idx[j] * H, (size_t)H * sizeof(bf16));
+        project(xe, H, n, w->experts_gate_up + e * w->expert_gu_stride, 2 * I, H, NULL, gu, 2 * I);
+        for (int j = 0; j < n; j++)
+            (w->gelu ? gelu_row : silu_row)(gu + (size_t)j * 2 * I, gu + (size_t)j * 2 * I + I, I, act + (size_t)j * I);
+        project(act, I, n, w->experts_down + e * w->expert_down_stride, H, I, NULL, oe, H);
+        for (int j = 0; j < n; j++) {
+            bf16 *y = t->proj + (size_t)idx[j] * H;
+            const bf16 c = wt[(size_t)idx[j] * K + slot[j]], *o = oe + (size_t)j * H;
+            for (int d = 0; d < H; d++) y[d] = add_bf16(y[d], mul_bf16(o[d], c));
+        }
+    }
+    return 0;
+}
+
 /* h [rows, hidden] bfloat16, updated in place. cos/sin [rows, head_dim] bfloat16. kv: this layer's pool
  * [num_blocks, 2, kv_heads, block_size, head_dim] bfloat16 (strides in elements); slots [rows] int64.
  * scratch: at least rows * (2 * hidden + 4 * inter + (q_heads + 2 * kv_heads) * head_dim * 3) * 4 bytes.
@@ -1104,9 +1183,13 @@ int pdserve_llama_layer(bf16 *h, int rows, int hidden, int inter, const struct l
     run_items(round_item, &t, ri);
     project(t.attn, t.nq, rows, w->o, hidden, t.nq, NULL, t.proj, hidden);
     run_items(resid_norm2_item, &t, ri);
-    project(t.x, hidden, rows, w->gate_up, 2 * inter, hidden, NULL, t.gu, 2 * inter);
-    run_items(silu_item, &t, ri);
-    project(t.act, inter, rows, w->down, hidden, inter, NULL, t.proj, hidden);
+    if (w->router) {
+        if (moe_mlp(&t)) return -1;
+    } else {
+        project(t.x, hidden, rows, w->gate_up, 2 * inter, hidden, NULL, t.gu, 2 * inter);
+        run_items(silu_item, &t, ri);
+        project(t.act, inter, rows, w->down, hidden, inter, NULL, t.proj, hidden);
+    }
     run_items(resid_item, &t, ri);
     return 0;
 }
@@ -1340,6 +1423,9 @@ struct f32_layer_weights { /* as struct layer_weights; projections [in, out]; Ge
     float softcap;
     int gemma_norm;
     int gelu;
+    const float *router, *experts_gate_up, *experts_down; /* [hidden, n_experts], each expert [in, out] */
+    int64_t expert_gu_stride, expert_down_stride;
+    int n_experts, top_k, norm_topk;
 };
 
 struct f32_task {
@@ -1437,6 +1523,50 @@ static void f32_resid_item(const void *ctx, int i) {
     }
 }
 
+/* The experts in place of the MLP in float32: transformers' block (router, softmax, top-k, each expert on the
+ * rows that chose it, a row's outputs added in expert order), t->x into t->proj. Returns 0 or -1 (memory). */
+static int f32_moe_mlp(struct f32_task *t) {
+    const struct f32_layer_weights *w = t->w;
+    const int rows = t->rows, H = t->hidden, I = t->inter, E = w->n_experts, K = w->top_k;
+    const size_t need = ((size_t)rows * E + (size_t)rows * K + E + (size_t)rows * (2 * H + 3 * I)) * 4 +
+                        ((size_t)rows * K + 2 * (size_t)rows) * 4 + 8 * 64;
+    if (grow((void **)&kept_moe, &kept_moe_cap, need)) return -1;
+    uint8_t *at = kept_moe;
+#define CARVE(type, n) ((type *)(at = (uint8_t *)(((uintptr_t)at + 63) & ~(uintptr_t)63), at += (n) * sizeof(type), at - (n) * sizeof(type)))
+    float *logits = CARVE(float, (size_t)rows * E), *prob = CARVE(float, (size_t)rows * K), *p = CARVE(float, E);
+    int *sel = CARVE(int, (size_t)rows * K), *idx = CARVE(int, rows), *slot = CARVE(int, rows);
+    float *xe = CARVE(float, (size_t)rows * H), *gu = CARVE(float, (size_t)rows * 2 * I);
+    float *act = CARVE(float, (size_t)rows * I), *oe = CARVE(float, (size_t)rows * H);
+#undef CARVE
+    f32_project(t->x, H, rows, w->router, E, H, NULL, logits, E);
+    for (int r = 0; r < rows; r++)
+        route_row(logits + (size_t)r * E, E, K, w->norm_topk, p, sel + (size_t)r * K, prob + (size_t)r * K);
+    memset(t->proj, 0, (size_t)rows * H * sizeof(float));
+    for (int e = 0; e < E; e++) {
+        const int n = expert_rows(sel, rows, K, e, idx, slot);
+        if (!n) continue;
+        for (int j = 0; j < n; j++) memcpy(xe + (size_t)j * H, t->x + (size_t)idx[j] * H, (size_t)H * sizeof(float));
+        f32_project(xe, H, n, w->experts_gate_up + e * w->expert_gu_stride, 2 * I, H, NULL, gu, 2 * I);
+        for (int j = 0; j < n; j++) {
+            const float *g = gu + (size_t)j * 2 * I, *u = g + I;
+            float *a = act + (size_t)j * I;
+            if (w->gelu) {
+                for (int d = 0; d < I; d++) a[d] = gelu_tanh(g[d]) * u[d];
+            } else {
+#pragma omp simd
+                for (int d = 0; d < I; d++) a[d] = g[d] / (1.0f + expf(-g[d])) * u[d];
+            }
+        }
+        f32_project(act, I, n, w->experts_down + e * w->expert_down_stride, H, I, NULL, oe, H);
+        for (int j = 0; j < n; j++) {
+            float *y = t->proj + (size_t)idx[j] * H;
+            const float c = prob[(size_t)idx[j] * K + slot[j]], *o = oe + (size_t)j * H;
+            for (int d = 0; d < H; d++) y[d] += o[d] * c;
+        }
+    }
+    return 0;
+}
+
 /* h [rows, hidden] float32, updated in place; cos/sin [rows, head_dim] float32; kv: this layer's pool
  * [num_blocks, 2, kv_heads, block_size, head_dim] float32; slots [rows] int64. scratch: at least
  * pdserve_f32_scratch_bytes(...) bytes. Returns 0, -1 (no memory), -2 (head_dim over 512), or 1 + the sequence
@@ -1485,9 +1615,13 @@ int pdserve_llama_layer_f32(float *h, int rows, int hidden, int inter, const str
     if (rc) return rc;
     f32_project(t.of, t.nq, rows, w->o, hidden, t.nq, NULL, t.proj, hidden);
     run_items(f32_resid_norm2_item, &t, ri);
-    f32_project(t.x, hidden, rows, w->gate_up, 2 * inter, hidden, NULL, t.gu, 2 * inter);
-    run_items(f32_silu_item, &t, ri);
-    f32_project(t.act, inter, rows, w->down, hidden, inter, NULL, t.proj, hidden);
+    if (w->router) {
+        if (f32_moe_mlp(&t)) return -1;
+    } else {
+        f32_project(t.x, hidden, rows, w->gate_up, 2 * inter, hidden, NULL, t.gu, 2 * inter);
+        run_items(f32_silu_item, &t, ri);
+        f32_project(t.act, inter, rows, w->down, hidden, inter, NULL, t.proj, hidden);
+    }
     run_items(f32_resid_item, &t, ri);
     return 0;
 }

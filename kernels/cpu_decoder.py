@@ -49,7 +49,10 @@ class LayerWeights(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_void_p) for name in ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down",
                                                         "q_norm", "k_norm", "sinks", "post_attn", "post_ffn")),
                 ("window", ctypes.c_int), ("softcap", ctypes.c_float), ("gemma_norm", ctypes.c_int),
-                ("gelu", ctypes.c_int)]
+                ("gelu", ctypes.c_int),
+                *((name, ctypes.c_void_p) for name in ("router", "experts_gate_up", "experts_down")),
+                ("expert_gu_stride", ctypes.c_int64), ("expert_down_stride", ctypes.c_int64),
+                ("n_experts", ctypes.c_int), ("top_k", ctypes.c_int), ("norm_topk", ctypes.c_int)]
 
 
 def library() -> ctypes.CDLL | None:

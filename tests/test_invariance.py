@@ -124,7 +124,7 @@ def test_a_sequence_recomputed_as_a_prompt_gets_the_logits_its_decode_steps_had(
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3", "qwen3_moe"])
 def test_the_other_native_families_are_row_invariant_too(family, dtype, tmp_path, model_dir):
     """Per-head q/k norms (Qwen3), a sliding window of 8 keys on every layer (this Mistral; its prompt rows take the
     decode kernel, whose window the chunk kernel lacks), Gemma 3's local and global layers with their own rotary

@@ -199,7 +199,7 @@ def test_native_steps_of_the_real_model_are_as_close_to_float32_as_transformers_
 
 
 @needs_native
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe"])
 def test_native_steps_of_tiny_families(family, tmp_path, model_dir, tokenizer, projection_path):
     """q/k/v biases (Qwen2), per-head q/k norms (Qwen3), a sliding window of 8 keys on every layer (this Mistral),
     q/k/v and gate/up fused in the checkpoint (Phi-3):
@@ -218,7 +218,7 @@ def test_native_float32_steps_of_the_real_model_are_transformers_float32_to_roun
 
 
 @needs_float32
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe"])
 def test_native_float32_steps_of_tiny_families(family, tmp_path, model_dir, tokenizer):
     ckpt = make_tiny(family, tmp_path, model_dir)
     _compare_float32(ckpt, [tokenizer.encode("The quick brown fox jumps over the lazy dog")[:9],
@@ -227,10 +227,9 @@ def test_native_float32_steps_of_tiny_families(family, tmp_path, model_dir, toke
 
 
 @needs_native
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gpt_oss"])
 def test_models_the_layer_does_not_compute_keep_transformers_forward(family, tmp_path, model_dir):
-    """Gemma's norms and GELU MLP (Gemma 2), experts (Qwen3-MoE), sinks and experts (gpt-oss): refused by
-    structure, not run wrong."""
+    """Sinks, biased experts and a clamped SwiGLU (gpt-oss): refused by structure, not run wrong."""
     r = PagedRunner(make_tiny(family, tmp_path, model_dir), dtype=torch.bfloat16, num_blocks=16)
     assert r.model.native is None
 

@@ -59,7 +59,8 @@ def _configs(vocab: int, hidden: int = 64, layers: int | None = None) -> dict:
                                  attn_logit_softcapping=5.0, final_logit_softcapping=30.0),  # attention soft cap
         "phi3": t.Phi3Config(**{k: v for k, v in common.items() if k != "head_dim"}, num_hidden_layers=n(3)),
         "qwen3_moe": t.Qwen3MoeConfig(**{**common, "intermediate_size": 3 * hidden // 2}, num_hidden_layers=n(2),
-                                      moe_intermediate_size=hidden // 2, num_local_experts=4, num_experts_per_tok=2),
+                                      moe_intermediate_size=hidden // 2, num_local_experts=4, num_experts_per_tok=2,
+                                      norm_topk_prob=True),  # as Qwen3-30B-A3B: the k probabilities renormalised
         "gpt_oss": t.GptOssConfig(**common, num_hidden_layers=n(2), num_local_experts=4, num_experts_per_tok=2,
                                   sliding_window=WINDOW,
                                   layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(n(2))],

@@ -34,7 +34,8 @@ log = logging.getLogger("pdserve.engine.native")
 # config.model_type: pre-norm attention and a gated MLP. Llama's norms and SiLU (Qwen3: per-head q/k norms before the
 # rotary; Phi-3: q/k/v and gate/up fused in the checkpoint), or Gemma's norms (1 + weight, scaled before rounding),
 # GELU and norms of the attention's and MLP's outputs too (Gemma 2 and 3: sliding windows, soft caps, q/k norms)
-NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+# Qwen3-MoE: its sparse blocks as experts in C (router, top-k, each expert's gated MLP)
+NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen3_moe")
 _LLAMA_NORMS = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3")}
 _GEMMA_NORMS = {"Gemma2RMSNorm", "Gemma3RMSNorm"}
 
@@ -84,10 +85,27 @@ def _activation(mlp, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _projections(layer) -> tuple[CpuLinear, CpuLinear, CpuLinear, CpuLinear] | str:
+def _experts(mlp):
+    """A sparse block the C layer computes — Qwen3-MoE's: a router (`gate.weight` [E, hidden], `top_k`,
+    `norm_topk_prob`, its probabilities cast to the model's dtype) and experts as 3D weights (`gate_up_proj`
+    [E, 2I, hidden], `down_proj` [E, hidden, I]) — as (router, experts); None for anything else (a dense MLP, a
+    shared expert, another router)."""
+    router, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    if type(router).__name__ != "Qwen3MoeTopKRouter" or type(experts).__name__ != "Qwen3MoeExperts":
+        return None
+    gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter) and gu.dim() == down.dim() == 3):
+        return None
+    if hasattr(mlp, "shared_expert") or router.weight.shape != (gu.shape[0], gu.shape[2]):
+        return None
+    return router, experts
+
+
+def _projections(layer) -> tuple[CpuLinear, CpuLinear, CpuLinear | None, CpuLinear | None] | str:
     """A layer's (q/k/v, o, gate/up, down) projections, each one CpuLinear (q/k/v's outputs q, k, v in that order,
     gate/up's gate then up): fused by `cpustep` from separate modules (Llama, Qwen, Gemma) or fused in the
-    checkpoint (Phi-3's qkv_proj and gate_up_proj); else why not."""
+    checkpoint (Phi-3's qkv_proj and gate_up_proj); gate/up and down None for a sparse block (`_experts`); else
+    why not."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     q, gate = getattr(attn, "q_proj", None), getattr(mlp, "gate_proj", None)
     if isinstance(getattr(attn, "qkv_proj", None), CpuLinear):
@@ -96,6 +114,11 @@ def _projections(layer) -> tuple[CpuLinear, CpuLinear, CpuLinear, CpuLinear] | s
         qkv = q.group.linear
     else:
         return "a layer's q/k/v are not one fused projection"
+    o = getattr(attn, "o_proj", None)
+    if _experts(mlp) is not None:
+        if not (isinstance(o, CpuLinear) and o.bias is None):
+            return "a layer's o projection has a bias"
+        return qkv, o, None, None
     if isinstance(getattr(mlp, "gate_up_proj", None), CpuLinear):
         gate_up = mlp.gate_up_proj
     elif isinstance(gate, FusedMember) and gate.first and isinstance(mlp.up_proj, FusedMember):
@@ -152,13 +175,16 @@ def _why_not(model) -> str | None:
                 return f"a layer's {name} is not a {kind} norm with the model's eps"
             if name in ("q_norm", "k_norm") and found[1].shape != (model.head_dim,):
                 return f"a layer's {name} is not over head_dim"
-        if _activation(mlp, dtype) is None:
+        moe = _experts(mlp)
+        if _activation(moe[1] if moe else mlp, dtype) is None:
             return "its MLP's activation is neither SiLU nor GELU (tanh)"
         parts = _projections(layer)
         if isinstance(parts, str):
             return parts
-        if parts[0].out_features != nq + 2 * nkv or parts[2].out_features != 2 * int(cfg.intermediate_size):
-            return "a layer's fused projections are not q/k/v and gate/up of the config's sizes"
+        if parts[0].out_features != nq + 2 * nkv:
+            return "a layer's fused q/k/v projection is not of the config's size"
+        if parts[2] is not None and parts[2].out_features != 2 * int(cfg.intermediate_size):
+            return "a layer's fused gate/up projection is not of the config's size"
     return None
 
 
@@ -178,7 +204,7 @@ class NativeDecoder:
         a = model.attention[0]
         self.q_heads, self.kv_heads, self.head_dim, self.scale = a.q_heads, a.kv_heads, a.head_dim, a.scaling
         self.hidden = int(cfg.hidden_size)
-        self.inter = int(cfg.intermediate_size)
+        self.inter = int(cfg.intermediate_size)  # a dense layer's MLP width
         kind, _, self.eps = _norm_of(model.hf.model.norm)
         self.dtype = next(model.hf.parameters()).dtype
         f32 = self.dtype == torch.float32
@@ -191,12 +217,28 @@ class NativeDecoder:
 
         self._packed: list[Tensor] = []  # owns every buffer a layer's struct points at
         self.weights: list[LayerWeights] = []
+        self.inters: list[int] = []  # each layer's MLP width (an expert's in a sparse block)
         for layer, spec in zip(model.layers, model.attention):
             attn = layer.self_attn
             qkv, o, gate_up, down = _projections(layer)
             bufs = {name: norm_weight(m) for name, m in _layer_norms(layer).items()}
-            bufs.update(qkv=layout(qkv.weight_t), o=layout(o.weight_t), gate_up=layout(gate_up.weight_t),
-                        down=layout(down.weight_t))
+            bufs.update(qkv=layout(qkv.weight_t), o=layout(o.weight_t))
+            moe = {}
+            if gate_up is None:  # a sparse block: the router and every expert in the kernel's layout, stacked
+                router, experts = _experts(layer.mlp)
+                per_gu = [layout(w.detach().t()) for w in experts.gate_up_proj]
+                per_down = [layout(w.detach().t()) for w in experts.down_proj]
+                bufs.update(router=layout(router.weight.detach().t()), experts_gate_up=torch.stack(per_gu),
+                            experts_down=torch.stack(per_down))
+                moe = dict(expert_gu_stride=per_gu[0].numel(), expert_down_stride=per_down[0].numel(),
+                           n_experts=router.weight.shape[0], top_k=int(router.top_k),
+                           norm_topk=int(bool(router.norm_topk_prob)))
+                self.inters.append(int(experts.down_proj.shape[2]))
+                gated = experts
+            else:
+                bufs.update(gate_up=layout(gate_up.weight_t), down=layout(down.weight_t))
+                self.inters.append(self.inter)
+                gated = layer.mlp
             if qkv.bias is not None:
                 bufs["qkv_bias"] = qkv.bias.detach().contiguous()
             for name in ("q_norm", "k_norm"):
@@ -206,7 +248,8 @@ class NativeDecoder:
             self.weights.append(LayerWeights(**{k: v.data_ptr() for k, v in bufs.items()},
                                              window=spec.sliding_window or 0, softcap=spec.softcap or 0.0,
                                              gemma_norm=int(kind == "gemma"),
-                                             gelu=int(_activation(layer.mlp, self.dtype) == "gelu")))
+                                             gelu=int(_activation(gated, self.dtype) == "gelu"),
+                                             **moe))
         # The head through the same GEMV: oneDNN's bf16 matmul took 9 of a 16-row step's 39 ms on SmolLM2's
         # 49152 x 576 head here, the GEMV 3 (one more copy of the head's weights, 57 MB there). In float32 the
         # head's own weight_t, so its logits are row-invariant too.
@@ -224,13 +267,14 @@ class NativeDecoder:
         self._layer_types = (list(types) if types and "layer_type" in inspect.signature(rotary.forward).parameters
                              else None)
         nq, nkv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        widest = max(self.inters)
         if f32:
             self._layer = lib.pdserve_llama_layer_f32
-            self._scratch_per_row = lib.pdserve_f32_scratch_bytes(1, self.hidden, self.inter, self.q_heads,
+            self._scratch_per_row = lib.pdserve_f32_scratch_bytes(1, self.hidden, widest, self.q_heads,
                                                                   self.kv_heads, self.head_dim)
         else:
             self._layer = lib.pdserve_llama_layer
-            self._scratch_per_row = 2 * (2 * self.hidden + nq + 2 * nkv + nq + 3 * self.inter) + 4 * 2 * nq
+            self._scratch_per_row = 2 * (2 * self.hidden + nq + 2 * nkv + nq + 3 * widest) + 4 * 2 * nq
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
     @classmethod
@@ -274,11 +318,11 @@ class NativeDecoder:
             if hooks is not None:
                 hooks.before_layer(i)
             cos, sin = rope[self._layer_types[i] if self._layer_types else None]
-            rc = call(h.data_ptr(), rows, self.hidden, self.inter, ctypes.byref(w), *heads, cos.data_ptr(),
+            rc = call(h.data_ptr(), rows, self.hidden, self.inters[i], ctypes.byref(w), *heads, cos.data_ptr(),
                       sin.data_ptr(), kv[i].data_ptr(), *tail)
             if rc:
                 if rc == -1:
-                    raise MemoryError("native decoder layer: no memory for the attention scores")
+                    raise MemoryError("native decoder layer: no memory for its scratch (attention scores, experts)")
                 raise IndexError(f"block_tables of sequence {rc - 1} name a block outside the pool's {num_blocks}")
             if hooks is not None:
                 hooks.after_layer(i)
