@@ -53,7 +53,7 @@ from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
 from pdserve.kernels.spec_verify import verify, verify_greedy
 from pdserve.kvtransfer.channel import KVReceiveChannel
 from pdserve.kvtransfer.frames import TransferError
-from pdserve.jsonmask import JsonVocab
+from pdserve.grammar import GrammarVocab
 from pdserve.kvtransfer.protocol import (
     DECODE_QUEUE_GROUP, Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
 )
@@ -553,8 +553,10 @@ class DecodeWorker(WorkerBase):
         already ended the request (a stop: prefill reported "done")."""
         if first is not None and not await self._first_token(offer, first):
             return []
-        if offer.sampling.response_format == "json_object":  # built once per worker, off the event loop
-            await asyncio.to_thread(JsonVocab.of, self.runner.tokenizer, self.runner.eos_token_ids)
+        if offer.sampling.guided is not None:  # compiled once per grammar, off the event loop
+            vocab = await asyncio.to_thread(GrammarVocab.of, self.runner.tokenizer, self.runner.vocab_size,
+                                            self.runner.eos_token_ids)
+            await asyncio.to_thread(vocab.compile, offer.sampling.guided)
         seqs = self._sequences(offer)
         return [] if all(s.stream.done for s in seqs) else seqs
 
