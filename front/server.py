@@ -385,6 +385,11 @@ class Front:
         if drafted:
             u["speculation"] = {"draft_tokens": drafted,
                                 "accepted_tokens": sum(c.usage.spec_accepted_tokens for c in gen.choices if c.usage)}
+            forced = sum(c.usage.forced_draft_tokens for c in gen.choices if c.usage)
+            if forced:
+                u["speculation"]["forced_draft_tokens"] = forced
+                u["speculation"]["forced_accepted_tokens"] = sum(c.usage.forced_accepted_tokens
+                                                                 for c in gen.choices if c.usage)
         return u
 
     def _logprobs(self, chat: bool, tokens: list[int], lps: list[TokenLogprob] | None, offset: int) -> dict | None:

@@ -237,7 +237,7 @@ def _parse_tagged(text: str, start: str, end: str | None, final: bool) -> Parsed
                 else:
                     break
             j += len(end)
-        pos = j
+        pos = skip_ws(text, j)  # the space between calls, or after the last, is no content
     out.content = "".join(parts)
     return out
 

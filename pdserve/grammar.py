@@ -123,6 +123,10 @@ class GrammarVocab:
         self._compiled: OrderedDict[Guided, object] = OrderedDict()
         self._lock = threading.Lock()
         self.words = xgr.get_bitmask_shape(1, vocab)[1]  # int32 words of one row's bitmask
+        bits = np.zeros(self.words, dtype=np.uint32)
+        for t in stop_ids:
+            bits[t // 32] |= np.uint32(1 << (t % 32))
+        self.stop_bits = torch.from_numpy(bits.view(np.int32))  # a bitmask row allowing the stop tokens only
 
     @classmethod
     def of(cls, tokenizer, vocab: int, stop_ids) -> "GrammarVocab":
@@ -196,13 +200,19 @@ class GrammarState:
         sampled from). The matcher is left as it was."""
         out = torch.empty(n, self.vocab.words, dtype=torch.int32)
         m = self.matcher
+        if m.is_terminated():  # an end token was accepted (ignore_eos): only end tokens, as at the end
+            out[:] = self.vocab.stop_bits
+            return out
         m.fill_next_token_bitmask(out, 0)
         taken = 0
         for j in range(1, n):
-            if m.is_terminated() or not m.accept_token(drafts[j - 1]):
+            if not m.accept_token(drafts[j - 1]):
                 out[j:] = out[j - 1]
                 break
             taken += 1
+            if m.is_terminated():  # the draft was an end token: nothing is sampled after it
+                out[j:] = out[j - 1]
+                break
             m.fill_next_token_bitmask(out, j)
         if taken:
             m.rollback(taken)

@@ -27,7 +27,6 @@ returns them by default (`logprobs_mode="raw_logprobs"`).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from pdserve.basetypes import SamplingParams
@@ -67,10 +66,7 @@ class SequenceProcessor:
 
     def _only_stops(self, masks: torch.Tensor) -> torch.Tensor:
         """Per row `[n]` bool: the bitmasks `[n, words]` allow stop tokens only (the grammar is complete)."""
-        bits = np.zeros(masks.shape[1], dtype=np.uint32)
-        for t in self._stop_ids.tolist():
-            bits[t // 32] |= np.uint32(1 << (t % 32))
-        return ((masks & ~torch.from_numpy(bits.view(np.int32))) == 0).all(dim=1)
+        return ((masks & ~self.grammar.vocab.stop_bits) == 0).all(dim=1)
 
     def advance(self, tokens: list[int]) -> None:
         """Count tokens that were generated (committed)."""
