@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 PEERS = Path(os.environ.get("PDSERVE_PEERS", Path.home() / ".cache" / "pdserve" / "peers"))
 VLLM_VERSION = "0.32.0"
 GUIDELLM_VERSION = "0.8.1"
+LANGCHAIN_OPENAI_VERSION = "1.7.4"  # the agent framework the tool-loop test drives (tests/test_agent_e2e.py)
 TORCH_CPU = "torch==2.13.0"  # the local CPU wheel; an unpinned torch pulls a CUDA build
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1"}
@@ -102,6 +103,12 @@ def ensure_vllm() -> Path:
 def ensure_guidellm() -> Path:
     """guidellm in its own venv; returns its command."""
     return _ensure_venv("guidellm", GUIDELLM_VERSION, TORCH_CPU, f"guidellm=={GUIDELLM_VERSION}") / "bin" / "guidellm"
+
+
+def ensure_langchain() -> Path:
+    """LangChain's OpenAI chat model (`ChatOpenAI.bind_tools`) in its own venv; returns the venv's python."""
+    return _ensure_venv("langchain", LANGCHAIN_OPENAI_VERSION,
+                        f"langchain-openai=={LANGCHAIN_OPENAI_VERSION}") / "bin" / "python"
 
 
 def installed(name: str) -> Path | None:

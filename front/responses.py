@@ -78,6 +78,8 @@ class PromptTokensDetails(BaseModel):
 class SpeculationUsage(BaseModel):
     draft_tokens: int
     accepted_tokens: int
+    forced_draft_tokens: int | None = Field(default=None, description="of the drafts, those the grammar forced")
+    forced_accepted_tokens: int | None = None
 
 
 class UsageInfo(BaseModel):
@@ -110,6 +112,7 @@ class CompletionLogprobs(BaseModel):
 
 
 FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionChoice(BaseModel):
@@ -132,15 +135,27 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is tool calls alone")
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = Field(default=None, description="pdserve: with return_token_ids")
 
@@ -154,15 +169,30 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str = Field(description="the next fragment of the arguments' JSON text")
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed tool call: the first names it (id, type, function name), later ones add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
     logprobs: ChatLogprobs | None = None
 
 

@@ -298,8 +298,8 @@ def test_unknown_fields_are_ignored_named_in_a_header_and_logged_without_values(
         assert r.status == 200
         assert r.headers["X-Pdserve-Ignored-Fields"] == "frobnicate, stream_options.future_option"
     messages = [{"role": "user", "content": "Hi", "refusal": None}]
-    _, headers = stream(cluster, messages, max_tokens=3, temperature=0, parallel_tool_calls=False)
-    assert headers["X-Pdserve-Ignored-Fields"] == "parallel_tool_calls, messages[].refusal"
+    _, headers = stream(cluster, messages, max_tokens=3, temperature=0, guided_decoding_backend="auto")
+    assert headers["X-Pdserve-Ignored-Fields"] == "guided_decoding_backend, messages[].refusal"
     log = (cluster.log_dir / "front.log").read_text()
     assert "frobnicate" in log and secret not in log
 
