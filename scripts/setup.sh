@@ -49,8 +49,9 @@ fi
 if [ "$what" = test ] && [ -x scripts/k8s-tools.sh ] && [ "${PDSERVE_SKIP_K8S:-0}" != 1 ]; then
   PYTHON=$PY bash scripts/k8s-tools.sh
 fi
-# The peers the client-compatibility tests drive (vLLM's CPU build and its benchmark client, guidellm),
-# each in a venv of its own under ~/.cache/pdserve/peers (~5 min the first time). Not for serving.
+# The peers the client-compatibility tests drive (vLLM's CPU build and its benchmark client, guidellm, and
+# LangChain for the agent tool loop), each in a venv of its own under ~/.cache/pdserve/peers (~5 min the
+# first time). Not for serving.
 if [ "$what" = test ] && [ "${PDSERVE_SKIP_PEERS:-0}" != 1 ]; then
-  "$PY" -P -c 'import runpy; p = runpy.run_path("bench/peer.py"); p["ensure_vllm"](); p["ensure_guidellm"]()'
+  "$PY" -P -c 'import runpy; p = runpy.run_path("bench/peer.py"); p["ensure_vllm"](); p["ensure_guidellm"](); p["ensure_langchain"]()'
 fi
