@@ -7,6 +7,7 @@ and `bytes` (chat) are its real bytes, so characters split across tokens can be 
 """
 from __future__ import annotations
 
+import json
 import threading
 from typing import Literal
 
@@ -15,12 +16,44 @@ from pydantic import BaseModel, Field
 from pdserve.kvtransfer.protocol import TokenLogprob
 
 
+def token_bytes(tokenizer) -> list[bytes | None]:
+    """Each token id's bytes, None for special/added tokens (they carry no text of the output).
+
+    Byte-level BPE (GPT-2, Llama 3, SmolLM2): token strings spell bytes in GPT-2's printable
+    alphabet. SentencePiece (Llama 2, Gemma): "▁" is a space and "<0xNN>" a raw byte.
+    """
+    n = len(tokenizer)
+    strings = tokenizer.convert_ids_to_tokens(list(range(n)))
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    decoder = None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        decoder = (json.loads(backend.to_str()).get("decoder") or {}).get("type")
+    out: list[bytes | None] = []
+    if decoder == "ByteLevel":
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        inverse = {ch: b for b, ch in bytes_to_unicode().items()}
+        for i, t in enumerate(strings):
+            try:
+                out.append(None if i in special or t is None else bytes(inverse[ch] for ch in t))
+            except KeyError:
+                out.append(None)
+        return out
+    for i, t in enumerate(strings):
+        if i in special or t is None:
+            out.append(None)
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            out.append(bytes([int(t[3:5], 16)]))
+        else:
+            out.append(t.replace("\u2581", " ").encode())
+    return out
+
+
 class TokenTexts:
     """Each token id's text and bytes, built once per tokenizer from its vocabulary."""
 
     def __init__(self, tokenizer):
-        from pdserve.jsonmask import token_bytes
-
         self.tokenizer = tokenizer
         self._bytes = token_bytes(tokenizer)
 

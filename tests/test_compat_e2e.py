@@ -18,10 +18,9 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from pdserve.jsonmask import INITIAL, advance
 from pdserve.local import LocalCluster
 from pdserve.natsserver import free_port
-from servinghelpers import hf_greedy, metric, post, wait_for
+from servinghelpers import hf_greedy, json_object_prefix, metric, post, wait_for
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -263,7 +262,7 @@ def assert_json(text: str, finish_reason: str) -> None:
     if finish_reason == "stop":
         assert isinstance(json.loads(text), dict), text
     else:
-        assert advance(INITIAL, text.encode()) is not None, text
+        assert json_object_prefix(text), text
 
 
 @pytest.mark.parametrize("temperature", [0, 0.8])
