@@ -267,6 +267,23 @@ def measure_system(label: str, url: str, model: str, args, vllm: bool) -> dict:
 
 # -- the grammar engines' mask time ------------------------------------------------------------------
 
+def _walk(gen, batch: int, V: int, steps: int, fill, apply, advance) -> dict:
+    """Mean seconds of `fill()` (every row's bitmask) and `apply(logits)` per step, advancing the matchers by
+    the argmax of random `[batch, V]` logits under the mask (`advance(tokens)`)."""
+    import torch
+
+    spent_fill = spent_apply = 0.0
+    for _ in range(steps):
+        logits = torch.randn(batch, V, generator=gen)
+        t0 = time.perf_counter()
+        fill()
+        t1 = time.perf_counter()
+        apply(logits)
+        spent_fill, spent_apply = spent_fill + t1 - t0, spent_apply + time.perf_counter() - t1
+        advance(logits.argmax(-1).tolist())
+    return {"fill_s": spent_fill / steps, "apply_s": spent_apply / steps}
+
+
 def mask_time(model_dir: Path, batch: int = 16, steps: int = 48) -> dict:
     """Seconds per decode step to fill `batch` rows' bitmasks and apply them to `[batch, V]` logits, walking
     `batch` matchers (the first `batch` schemas, cycled) through tokens drawn from random logits under the
@@ -285,22 +302,15 @@ def mask_time(model_dir: Path, batch: int = 16, steps: int = 48) -> dict:
     compiler = xgr.GrammarCompiler(info, max_threads=1)
     matchers = [xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(s), any_whitespace=False)) for s in schemas]
     bitmask = xgr.allocate_token_bitmask(batch, V)
-    fill = apply = 0.0
-    for _ in range(steps):
-        logits = torch.randn(batch, V, generator=gen)
-        t0 = time.perf_counter()
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bitmask, i)
-        t1 = time.perf_counter()
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
-        t2 = time.perf_counter()
-        fill, apply = fill + t1 - t0, apply + t2 - t1
-        for m, t in zip(matchers, logits.argmax(-1).tolist()):
-            if not m.is_terminated() and not m.accept_token(t):
+
+    def xgr_advance(tokens: list[int]) -> None:
+        for m, t in zip(matchers, tokens):
+            if m.is_terminated() or not m.accept_token(t):
                 m.reset()
-            elif m.is_terminated():
-                m.reset()
-    out["xgrammar"] = {"fill_s": fill / steps, "apply_s": apply / steps}
+
+    out["xgrammar"] = _walk(gen, batch, V, steps, lambda: [m.fill_next_token_bitmask(bitmask, i)
+                                                           for i, m in enumerate(matchers)],
+                            lambda x: xgr.apply_token_bitmask_inplace(x, bitmask), xgr_advance)
     try:
         import llguidance as llg
         import llguidance.hf
@@ -309,22 +319,17 @@ def mask_time(model_dir: Path, batch: int = 16, steps: int = 48) -> dict:
         return out
     lt = llguidance.hf.from_tokenizer(tok, n_vocab=V)
     grammars = [llg.LLMatcher.grammar_from_json_schema(s, defaults={"whitespace_flexible": False}) for s in schemas]
-    matchers = [llg.LLMatcher(lt, g) for g in grammars]
+    llg_matchers = [llg.LLMatcher(lt, g) for g in grammars]
     bitmask = llt.allocate_token_bitmask(batch, V)
-    fill = apply = 0.0
-    for _ in range(steps):
-        logits = torch.randn(batch, V, generator=gen)
-        t0 = time.perf_counter()
-        for i, m in enumerate(matchers):
-            llt.fill_next_token_bitmask(m, bitmask, i)
-        t1 = time.perf_counter()
-        llt.apply_token_bitmask_inplace(logits, bitmask)
-        t2 = time.perf_counter()
-        fill, apply = fill + t1 - t0, apply + t2 - t1
-        for i, (m, t) in enumerate(zip(matchers, logits.argmax(-1).tolist())):
+
+    def llg_advance(tokens: list[int]) -> None:
+        for i, (m, t) in enumerate(zip(llg_matchers, tokens)):
             if m.is_stopped() or not m.consume_token(t):
-                matchers[i] = llg.LLMatcher(lt, grammars[i])
-    out["llguidance"] = {"fill_s": fill / steps, "apply_s": apply / steps}
+                llg_matchers[i] = llg.LLMatcher(lt, grammars[i])
+
+    out["llguidance"] = _walk(gen, batch, V, steps, lambda: [llt.fill_next_token_bitmask(m, bitmask, i)
+                                                             for i, m in enumerate(llg_matchers)],
+                              lambda x: llt.apply_token_bitmask_inplace(x, bitmask), llg_advance)
     return out
 
 

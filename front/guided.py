@@ -52,6 +52,21 @@ def _grammar_spec(field: str, text: str) -> Guided:
             raise GuidedError(field, f"not a grammar xgrammar can compile (EBNF or Lark): {ebnf_error}") from None
 
 
+def _vllm_fields(prefix: str, json_, regex, choice, grammar) -> list[tuple[str, Guided]]:
+    """vLLM's four ways to ask for a grammar, named `{prefix}json`, `{prefix}regex`, … (guided_* and
+    structured_outputs.* take the same values)."""
+    out = []
+    if json_ is not None:
+        out.append((f"{prefix}json", _json_spec(f"{prefix}json", json_)))
+    if regex is not None:
+        out.append((f"{prefix}regex", Guided(kind="regex", value=regex)))
+    if choice is not None:
+        out.append((f"{prefix}choice", _choice_spec(choice)))
+    if grammar is not None:
+        out.append((f"{prefix}grammar", _grammar_spec(f"{prefix}grammar", grammar)))
+    return out
+
+
 def _asked(req: CompletionRequest | ChatCompletionRequest, family: str) -> list[tuple[str, Guided]]:
     out: list[tuple[str, Guided]] = []
     rf = req.response_format
@@ -60,24 +75,10 @@ def _asked(req: CompletionRequest | ChatCompletionRequest, family: str) -> list[
     elif rf is not None and rf.type == "json_schema":
         out.append(("response_format.json_schema.schema", _json_spec("response_format.json_schema.schema",
                                                                      rf.json_schema.schema_ or {"type": "object"})))
-    if req.guided_json is not None:
-        out.append(("guided_json", _json_spec("guided_json", req.guided_json)))
-    if req.guided_regex is not None:
-        out.append(("guided_regex", Guided(kind="regex", value=req.guided_regex)))
-    if req.guided_choice is not None:
-        out.append(("guided_choice", _choice_spec(req.guided_choice)))
-    if req.guided_grammar is not None:
-        out.append(("guided_grammar", _grammar_spec("guided_grammar", req.guided_grammar)))
+    out += _vllm_fields("guided_", req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar)
     so = req.structured_outputs
     if so is not None:
-        if so.json_ is not None:
-            out.append(("structured_outputs.json", _json_spec("structured_outputs.json", so.json_)))
-        if so.regex is not None:
-            out.append(("structured_outputs.regex", Guided(kind="regex", value=so.regex)))
-        if so.choice is not None:
-            out.append(("structured_outputs.choice", _choice_spec(so.choice)))
-        if so.grammar is not None:
-            out.append(("structured_outputs.grammar", _grammar_spec("structured_outputs.grammar", so.grammar)))
+        out += _vllm_fields("structured_outputs.", so.json_, so.regex, so.choice, so.grammar)
         if so.json_object:
             out.append(("structured_outputs.json_object", Guided(kind="json_object")))
     if isinstance(req, ChatCompletionRequest) and req.parses_calls:
