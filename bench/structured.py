@@ -305,7 +305,7 @@ def mask_time(model_dir: Path, batch: int = 16, steps: int = 48) -> dict:
 
     def xgr_advance(tokens: list[int]) -> None:
         for m, t in zip(matchers, tokens):
-            if m.is_terminated() or not m.accept_token(t):
+            if not m.accept_token(t) or m.is_terminated():  # refused, or the end: the next answer starts
                 m.reset()
 
     out["xgrammar"] = _walk(gen, batch, V, steps, lambda: [m.fill_next_token_bitmask(bitmask, i)
