@@ -121,9 +121,9 @@ def test_openai_client_gets_a_clear_error_for_a_bad_known_field(client):
 
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, top_logprobs=3)
-    with pytest.raises(openai.BadRequestError, match="json_schema"):
+    with pytest.raises(openai.BadRequestError, match="json_schema.schema: Unsupported type"):
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}})
 
 
 # -- benchmark clients --------------------------------------------------------------------------
