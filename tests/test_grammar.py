@@ -52,6 +52,27 @@ def _allowed(masks: torch.Tensor, V: int) -> list[set[int]]:
     return [set(torch.isfinite(r).nonzero().flatten().tolist()) for r in x]
 
 
+@pytest.mark.parametrize("density", [0.0, 0.0005, 0.01, 0.3, 0.9995, 1.0])
+def test_masks_apply_as_xgrammars_kernel_does(density):
+    """Rows with few allowed tokens take pdserve's sparse path, the rest xgrammar's kernel: the same result."""
+    import numpy as np
+    import xgrammar as xgr
+
+    rng = np.random.default_rng(int(density * 1e4))
+    V = 1000 * 32 + 17  # a vocabulary that does not fill its last bitmask word
+    words = -(-V // 32)
+    dens = [density, 0.0005, 0.9995]  # a batch mixes sparse and dense rows
+    bits = rng.random((3, words * 32)) < np.array(dens)[:, None]
+    masks = torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little").view(np.int32).copy())
+    x = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
+    x[0, 5] = float("nan")  # a stale value stays where allowed, and goes where refused, as in the kernel
+    want, got = x.clone(), x.clone()
+    xgr.apply_token_bitmask_inplace(want, masks, vocab_size=V)
+    apply_masks(got, masks)
+    assert torch.equal(want.isnan(), got.isnan())
+    assert torch.equal(torch.nan_to_num(want), torch.nan_to_num(got))
+
+
 @pytest.mark.model
 def test_row_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(tok, vocab):
     ids = tok.encode(TEXT, add_special_tokens=False)
