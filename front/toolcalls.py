@@ -355,6 +355,7 @@ _ARGS_KEY = {"hermes": "arguments", "llama3_json": "parameters", "mistral": "arg
 # (before the first call, between calls, after the last); a call is {"name": …, "<args key>": …}
 _WRAP = {"hermes": ("<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>"),
          "llama3_json": ("", "; ", ""), "mistral": ("[TOOL_CALLS][", ", ", "]"), "json": ("", "\n", "")}
+CALL_MAX_WHITESPACE = 1  # whitespace bytes in a row inside constrained arguments: compact JSON, no padding
 _SEPARATOR = {"hermes": "\n", "llama3_json": "; ", "mistral": ", ", "json": "\n"}  # between two calls
 # what starts a call in free text (the trigger of constrained decoding under tool_choice auto)
 _TRIGGER = {"hermes": "<tool_call>", "llama3_json": '{"name": ', "mistral": "[TOOL_CALLS]", "json": '{"name": '}
@@ -389,7 +390,8 @@ def call_structural_tag(family: str, functions: list[dict], must_call: bool, par
     each = family == "hermes"  # each call in tags of its own (a Mistral list wraps them all)
     tags = [{"type": "tag",
              "begin": ("<tool_call>\n" if each else "") + json.dumps({"name": f["name"], key: 0})[:-2],
-             "content": {"type": "json_schema", "json_schema": f.get("parameters") or {"type": "object"}},
+             "content": {"type": "json_schema", "json_schema": f.get("parameters") or {"type": "object"},
+                         "max_whitespace_cnt": CALL_MAX_WHITESPACE},
              "end": "}" + ("\n</tool_call>" if each else "")} for f in functions]
     calls = {"type": "tags_with_separator", "tags": tags, "separator": _SEPARATOR[family], "at_least_one": True,
              "stop_after_first": not parallel}
