@@ -254,8 +254,8 @@ class GrammarState:
 
 
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> None:
-    """Set the logits `[n, V]` float32 of tokens the bitmasks `[n, words]` refuse to -inf, in place; no Python
-    over the vocabulary.
+    """Set the logits `[n, V]` float32 (any device) of tokens the bitmasks `[n, words]` int32 (CPU) refuse to
+    -inf, in place; no Python over the vocabulary.
 
     Rows that allow much of the vocabulary (inside a string) go through xgrammar's native kernel, which is
     fast where few bits are refused; rows that allow few tokens (keys, punctuation, numbers: most of a
@@ -267,8 +267,8 @@ def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> None:
     allowed = np.bitwise_count(words).sum(axis=1)
     sparse = np.flatnonzero(allowed < V // SPARSE_FRACTION)
     dense = np.flatnonzero(allowed >= V // SPARSE_FRACTION)
-    if len(dense):
-        _xgr().apply_token_bitmask_inplace(logits, masks, vocab_size=V,
+    if len(dense):  # (on a GPU, xgrammar's kernel for the device takes the masks there)
+        _xgr().apply_token_bitmask_inplace(logits, masks.to(logits.device), vocab_size=V,
                                            indices=None if len(dense) == len(words) else dense.tolist())
     if not len(sparse):
         return
@@ -277,8 +277,8 @@ def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> None:
     hit, bit = np.nonzero(bits)
     tokens = cols[hit] * 32 + bit
     keep = tokens < V
-    row_ids = torch.from_numpy(sparse[rows[hit][keep]])
-    token_ids = torch.from_numpy(tokens[keep])
+    row_ids = torch.from_numpy(sparse[rows[hit][keep]]).to(logits.device)
+    token_ids = torch.from_numpy(tokens[keep]).to(logits.device)
     values = logits[row_ids, token_ids]
     for r in sparse.tolist():  # a row at a time: a plain fill, far cheaper than an indexed one
         logits[r].fill_(float("-inf"))
