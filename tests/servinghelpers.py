@@ -173,3 +173,10 @@ def json_object_prefix(text: str) -> bool:
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_json_schema(
         '{"type": "object"}', any_whitespace=True, strict_mode=False)
     return xgr.GrammarMatcher(compiled).accept_string(text)
+
+
+def openai_client(url: str):
+    """The official `openai` client on a deployment's front: no retries (a failure is the finding), a long timeout."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.local import LocalCluster
-from servinghelpers import json_object_prefix
+from servinghelpers import json_object_prefix, openai_client
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -41,9 +41,7 @@ def cluster(nats_server, model_dir):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    from openai import OpenAI
-
-    return OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    return openai_client(cluster.url)
 
 
 # -- the openai client --------------------------------------------------------------------------

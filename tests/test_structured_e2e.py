@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from pdserve.local import LocalCluster
-from servinghelpers import post
+from servinghelpers import openai_client, post
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -42,9 +42,7 @@ def cluster(nats_server, model_dir):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    from openai import OpenAI
-
-    return OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    return openai_client(cluster.url)
 
 
 def _schema_format(schema: dict) -> dict:

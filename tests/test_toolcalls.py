@@ -17,6 +17,8 @@ CASES = [
     ("hermes", '<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": "<tool_call>"}}]'
                '</tool_call> done', "done", [("a", {}), ("b", {"x": "<tool_call>"})]),
     ("hermes", render_calls("hermes", CALLS), None, CALLS),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich 東京"}}</tool_call>', None,
+     [("get_weather", {"city": "Zürich 東京"})]),  # text arrives decoded: pieces split between characters
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}', None,
      [("get_weather", {"city": "Oslo"})]),
     ("llama3_json", render_calls("llama3_json", CALLS), None, CALLS),
