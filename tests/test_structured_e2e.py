@@ -152,6 +152,12 @@ BAD = [
     ({"guided_grammar": "root ::= ((("}, "guided_grammar", "grammar"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "only one"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "auto"),
+    ({"guided_choice": []}, "guided_choice", "at least 1"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex", ""),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+      "tool_choice": "required"}, "tool_choice", "Unsupported type"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
 ]
 
