@@ -102,3 +102,27 @@ def test_the_family_comes_from_the_chat_template():
     assert family_for_template("<|start_header_id|>ipython{{ parameters }}<|python_tag|>") == "llama3_json"
     assert family_for_template("{{ messages }}") == "json"
     assert family_for_template(None) == "json"
+
+
+def _chat(**fields):
+    from pdserve.front.openai_schema import ChatCompletionRequest
+
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 **fields})
+
+
+def test_which_tool_requests_constrain_decoding():
+    from pdserve.front.guided import guided_spec
+
+    fn = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+    loose, strict = {"type": "function", "function": fn}, {"type": "function", "function": {**fn, "strict": True}}
+    assert guided_spec(_chat(tools=[loose]), "hermes") is None  # auto: the model may answer in text
+    assert guided_spec(_chat(tools=[strict], tool_choice="none"), "hermes") is None
+    auto = json.loads(guided_spec(_chat(tools=[strict]), "hermes").value)["format"]
+    assert auto["type"] == "triggered_tags" and auto["triggers"] == ["<tool_call>"]  # text, or a strict call
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        must = json.loads(guided_spec(_chat(tools=[loose], tool_choice=choice, parallel_tool_calls=False),
+                                      "llama3_json").value)["format"]
+        assert must["type"] == "tags_with_separator" and must["at_least_one"] and must["stop_after_first"]
+        assert must["tags"][0]["begin"] == '{"name": "add", "parameters": '
+        assert must["tags"][0]["content"]["json_schema"] == fn["parameters"]
