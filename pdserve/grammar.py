@@ -5,16 +5,15 @@ or a structural tag — the tool-call formats) is checked where the request arri
 tokenizer needed, so a bad schema is a 400 before anything is generated) and compiled against the
 vocabulary on each worker that samples for it (`GrammarVocab.compile`, cached per grammar text).
 
-xgrammar over llguidance: on this project's CPUs, with SmolLM2's 49,152-token vocabulary, filling
-16 rows' masks took xgrammar tens of microseconds (its masks are precomputed per grammar state at
-compile time) against llguidance's ~0.3 ms, and applying them xgrammar's native kernel ~2.5 ms
-against llguidance's ~16 ms (`bench/structured.py --mask-only` prints both); xgrammar also has
-rollback, jump-forward tokens and structural tags for tool calls.
+xgrammar over llguidance: with SmolLM2's vocabulary on this project's CPUs, xgrammar fills a batch's
+masks several times faster (its token masks are precomputed per grammar state when it compiles) and
+applies them an order of magnitude faster (`bench/structured.py --mask-only` times both engines);
+it also has rollback, jump-forward tokens and structural tags for tool calls.
 
 Masks are filled when a step's logits are there, not ahead while the step before runs: step N+1's
-mask depends on step N's token, and filling takes tens of microseconds a row, against tens of
-milliseconds a decode step (`bench/structured.py --mask-only`), so overlapping it would save nothing
-worth a thread. What costs is applying the masks (`apply_masks`).
+mask depends on step N's token, and filling a batch's masks is a few percent of a decode step at most
+(same benchmark), so overlapping it would save little, at the price of a thread. What costs is
+applying the masks (`apply_masks`).
 
 `GrammarState` is one sequence's matcher. Its state is a function of the tokens generated so far,
 so it survives any move of the sequence (prefill → decode, preemption and recompute) by replaying
@@ -259,9 +258,9 @@ def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> None:
 
     Rows that allow much of the vocabulary (inside a string) go through xgrammar's native kernel, which is
     fast where few bits are refused; rows that allow few tokens (keys, punctuation, numbers: most of a
-    schema's positions), where that kernel is slowest (~0.5 ms a row of SmolLM2's vocabulary), are set to
+    schema's positions), where that kernel is slowest, are set to
     -inf and their allowed tokens, found from the nonzero words alone, put back (`bench/structured.py
-    --mask-only` times both)."""
+    --mask-only` times both ways)."""
     V = logits.shape[-1]
     words = masks.numpy().view(np.uint32)
     allowed = np.bitwise_count(words).sum(axis=1)

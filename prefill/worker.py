@@ -309,8 +309,8 @@ class PrefillWorker(WorkerBase):
             self._queue(job)
 
     async def _compile_grammar(self, req: PrefillRequest) -> None:
-        """Compile the request's grammar off the compute thread (a new JSON schema takes ~0.1-0.4 s), so the
-        first token's mask (`_choose_first`) finds it cached instead of stalling every prompt's step."""
+        """Compile the request's grammar off the compute thread (a new JSON schema takes as long as many model
+        steps), so the first token's mask (`_choose_first`) finds it cached instead of stalling every prompt's step."""
         try:
             vocab = await asyncio.to_thread(GrammarVocab.of, self.runner.tokenizer, self.runner.vocab_size,
                                             self.runner.eos_token_ids)
