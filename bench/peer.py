@@ -226,12 +226,12 @@ def wait_quiet(limit: float = 120, busy: float = 0.10) -> float:
 
 
 def start_vllm(py: Path, model_dir: Path, name: str, dtype: str, port: int, binding: str, workdir: Path,
-               kv_gib: int) -> tuple[subprocess.Popen, Path]:
+               kv_gib: int, extra: list[str] = ()) -> tuple[subprocess.Popen, Path]:
     log = workdir / f"vllm-{binding}.log"
     env = {**os.environ, **OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": binding,
            "VLLM_CACHE_ROOT": str(PEERS / "vllm-cache")}
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", name,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "4096"]
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "4096", *extra]
     say(f"starting vLLM (binding {binding}): {' '.join(cmd[1:])}")
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
                             cwd=workdir)

