@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 PEERS = Path(os.environ.get("PDSERVE_PEERS", Path.home() / ".cache" / "pdserve" / "peers"))
 VLLM_VERSION = "0.32.0"
 GUIDELLM_VERSION = "0.8.1"
+LANGCHAIN_OPENAI_VERSION = "1.7.4"  # the agent framework the tool-loop test drives (tests/test_agent_e2e.py)
 TORCH_CPU = "torch==2.13.0"  # the local CPU wheel; an unpinned torch pulls a CUDA build
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1"}
@@ -110,6 +111,12 @@ def ensure_vllm() -> Path:
 def ensure_guidellm() -> Path:
     """guidellm in its own venv; returns its command."""
     return _ensure_venv("guidellm", GUIDELLM_VERSION, TORCH_CPU, f"guidellm=={GUIDELLM_VERSION}") / "bin" / "guidellm"
+
+
+def ensure_langchain() -> Path:
+    """LangChain's OpenAI chat model (`ChatOpenAI.bind_tools`) in its own venv; returns the venv's python."""
+    return _ensure_venv("langchain", LANGCHAIN_OPENAI_VERSION,
+                        f"langchain-openai=={LANGCHAIN_OPENAI_VERSION}") / "bin" / "python"
 
 
 def installed(name: str) -> Path | None:
@@ -227,12 +234,12 @@ def wait_quiet(limit: float = 120, busy: float = 0.10) -> float:
 
 
 def start_vllm(py: Path, model_dir: Path, name: str, dtype: str, port: int, binding: str, workdir: Path,
-               kv_gib: int) -> tuple[subprocess.Popen, Path]:
+               kv_gib: int, extra: list[str] = ()) -> tuple[subprocess.Popen, Path]:
     log = workdir / f"vllm-{binding}.log"
     env = {**os.environ, **OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": binding,
            "VLLM_CACHE_ROOT": str(PEERS / "vllm-cache")}
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", name,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "4096"]
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "4096", *extra]
     say(f"starting vLLM (binding {binding}): {' '.join(cmd[1:])}")
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
                             cwd=workdir)

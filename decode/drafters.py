@@ -60,6 +60,7 @@ class Draft:
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    forced: bool = False  # the request's grammar forced these tokens (no drafter proposed them)
 
     def __len__(self) -> int:
         return len(self.token_ids)

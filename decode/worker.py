@@ -47,13 +47,13 @@ from prometheus_client import Counter, Gauge, Histogram
 from pdserve.basetypes import LayoutMismatch
 from pdserve.config import DecodeConfig
 from pdserve.cpulease import CpuLease
-from pdserve.decode.drafters import make_drafter
+from pdserve.decode.drafters import Draft, make_drafter
 from pdserve.decode.speculation import LatencyModel, SpanTracker, SpeculationController
 from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
 from pdserve.kernels.spec_verify import verify, verify_greedy
 from pdserve.kvtransfer.channel import KVReceiveChannel
 from pdserve.kvtransfer.frames import TransferError
-from pdserve.jsonmask import JsonVocab
+from pdserve.grammar import GrammarVocab
 from pdserve.kvtransfer.protocol import (
     DECODE_QUEUE_GROUP, Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
 )
@@ -70,6 +70,10 @@ OFFER_DRAIN_S = 2.0  # at most this long to answer the offers NATS had already s
 IDLE_PREFILL_CHUNK = 256
 LOCAL_CHUNK_NATIVE = 256  # --local-prefill-chunk's default on the native CPU decoder
 LOCAL_CHUNK_DEFAULT = 64  # … elsewhere
+# Grammar-forced drafts: at most this many a step, taken by the speculation policy as accepted with this
+# probability (the grammar allows nothing else; the model may still split the forced text into other tokens)
+FORCED_MAX_K = 8
+FORCED_ALPHA = 0.95
 
 
 _ADMISSIONS = itertools.count()
@@ -102,6 +106,9 @@ class Sequence:
     span: SpanTracker = field(default_factory=SpanTracker)
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    forced_drafts: bool = False  # the grammar's forced tokens are proposed as drafts
+    forced_draft_tokens: int = 0
+    forced_accepted_tokens: int = 0
     admitted: int = field(default_factory=lambda: next(_ADMISSIONS))  # admission order, for preemption
     last_step: int = -1  # the decode step that last included it (-1: none yet)
     prefilled: int = 0  # an uncomputed prompt (`kv_deferred`): its tokens computed here so far
@@ -257,6 +264,10 @@ class DecodeWorker(WorkerBase):
                                       "from prefill's borrowed step, after being idle", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5))
         self.m_spec_draft = Counter("pdserve_spec_draft_tokens_total", "draft tokens proposed", ["span"], registry=r)
+        self.m_forced_draft = Counter("pdserve_spec_forced_draft_tokens_total",
+                                      "draft tokens a request's grammar forced", registry=r)
+        self.m_forced_accepted = Counter("pdserve_spec_forced_accepted_tokens_total",
+                                         "grammar-forced draft tokens accepted", registry=r)
         self.m_spec_accepted = Counter("pdserve_spec_accepted_tokens_total", "draft tokens accepted", ["span"],
                                        registry=r)
         self.m_spec_rate = Histogram("pdserve_spec_acceptance_rate", "accepted/proposed per verified step",
@@ -622,8 +633,10 @@ class DecodeWorker(WorkerBase):
         already ended the request (a stop: prefill reported "done")."""
         if first is not None and not await self._first_token(offer, first):
             return []
-        if offer.sampling.response_format == "json_object":  # built once per worker, off the event loop
-            await asyncio.to_thread(JsonVocab.of, self.runner.tokenizer, self.runner.eos_token_ids)
+        if offer.sampling.guided is not None:  # compiled once per grammar, off the event loop
+            vocab = await asyncio.to_thread(GrammarVocab.of, self.runner.tokenizer, self.runner.vocab_size,
+                                            self.runner.eos_token_ids)
+            await asyncio.to_thread(vocab.compile, offer.sampling.guided)
         seqs = self._sequences(offer)
         return [] if all(s.stream.done for s in seqs) else seqs
 
@@ -636,7 +649,8 @@ class DecodeWorker(WorkerBase):
             proc = make_processor(params, offer.prompt_token_ids, generated, self.runner.vocab_size, tok,
                                   self.runner.eos_token_ids)
             out.append(Sequence(offer, stream, events, generated, index=i, seed=choice_seed(offer.seed, i),
-                                processor=proc, max_k=self._request_max_k(offer)))
+                                processor=proc, max_k=self._request_max_k(offer),
+                                forced_drafts=self._request_forced(offer)))
             if (spans := self._traces.get(offer.request_id)) is not None:
                 out[-1].trace, out[-1].step_spans = spans, tracing.StepGroup(spans)
         return out
@@ -673,6 +687,11 @@ class DecodeWorker(WorkerBase):
         if not spec.get("enabled", True) or spec.get("method") == "none":
             return 0
         return min(self.spec_max_k, spec.get("max_k", self.spec_max_k))
+
+    @staticmethod
+    def _request_forced(offer: HandoffOffer) -> bool:
+        spec = offer.spec or {}
+        return offer.sampling.guided is not None and spec.get("enabled", True) and spec.get("forced", True)
 
     async def _on_cancel(self, msg) -> None:
         try:
@@ -726,6 +745,13 @@ class DecodeWorker(WorkerBase):
         rid = s.key
         room = min(s.offer.sampling.max_tokens - len(s.generated) - 1,
                    self.runner.max_context - len(s.offer.prompt_token_ids) - len(s.generated) - 1)
+        if s.forced_drafts and room > 0:
+            forced = s.processor.grammar.forced(min(FORCED_MAX_K, room))
+            if forced:  # free to propose, and near-certain: verified like any draft, so exactness holds
+                k = self.controller.choose_k(rid, s.span.kind, len(self.running), len(forced), alpha_hint=FORCED_ALPHA)
+                if k:
+                    self.m_spec_k.observe(k)
+                    return Draft(forced[:k], forced=True)
         if not s.max_k or room <= 0:
             self.m_spec_k.observe(0)
             return None
@@ -1058,7 +1084,15 @@ class DecodeWorker(WorkerBase):
     async def _commit(self, s: Sequence, draft, tokens: list[int], step_seconds: float,
                       logprobs: list[dict] | None = None) -> None:
         rid = s.key
-        if draft:
+        if draft and draft.forced:
+            kd, acc = len(draft.token_ids), len(tokens) - 1
+            s.draft_tokens += kd
+            s.accepted_tokens += acc
+            s.forced_draft_tokens += kd
+            s.forced_accepted_tokens += acc
+            self.m_forced_draft.inc(kd)
+            self.m_forced_accepted.inc(acc)
+        elif draft:
             kd, acc = len(draft.token_ids), len(tokens) - 1
             span = s.span.kind
             self.controller.observe_step(rid, span, kd, acc)
@@ -1087,7 +1121,9 @@ class DecodeWorker(WorkerBase):
             await self._emit(s, kind="done", finish_reason=s.stream.finish_reason,
                              usage=Usage(prompt_tokens=len(s.offer.prompt_token_ids),
                                          completion_tokens=len(s.generated), spec_draft_tokens=s.draft_tokens,
-                                         spec_accepted_tokens=s.accepted_tokens))
+                                         spec_accepted_tokens=s.accepted_tokens,
+                                         forced_draft_tokens=s.forced_draft_tokens,
+                                         forced_accepted_tokens=s.forced_accepted_tokens))
             if self.running.pop(rid, None) is not None:  # else a cancel during the emit released it
                 self._release(s)
 

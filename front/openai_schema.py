@@ -7,8 +7,9 @@ header. Known fields stay strict: a malformed value of one is a 400 that names i
 
 Besides OpenAI's fields, vLLM's common extensions: `min_tokens`, `stop_token_ids`,
 `repetition_penalty`, `min_p`, `top_k` (-1 = off, as vLLM), `ignore_eos`,
-`skip_special_tokens`, `stream_options.continuous_usage_stats`; and pdserve's `speculation`
-and `return_token_ids`.
+`skip_special_tokens`, `stream_options.continuous_usage_stats`, the structured-output fields
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs`; and
+pdserve's `speculation` and `return_token_ids`.
 """
 from __future__ import annotations
 
@@ -42,18 +43,36 @@ class SpecOptions(Lenient):
     max_k: int | None = Field(default=None, ge=0, le=32)
     # whose earlier text may draft for this request through the draft pool (default: the deployment's one tenant)
     tenant: str | None = Field(default=None, min_length=1, max_length=128)
+    # grammar-forced drafts: tokens the request's grammar leaves no choice about are verified as drafts
+    forced: bool = True
+
+
+class JsonSchemaFormat(Lenient):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: dict | None = None
+    json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _supported(self) -> "ResponseFormat":
-        if self.type == "json_schema":
-            raise ValueError("response_format type json_schema is not supported: use json_object (output "
-                             "constrained to a valid JSON object) and describe the schema in the prompt")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema: {name, schema, strict}")
         return self
+
+
+class StructuredOutputs(Lenient):
+    """vLLM's `structured_outputs`: one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
+    json_object: bool | None = None
 
 
 class _Common(Lenient):
@@ -79,6 +98,11 @@ class _Common(Lenient):
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's structured-output extensions
+    guided_regex: str | None = Field(default=None, min_length=1)
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = Field(default=None, min_length=1)
+    structured_outputs: StructuredOutputs | None = None
     speculation: SpecOptions | None = None
     return_token_ids: bool = False  # pdserve extension: include the generated token ids in each choice
 
@@ -184,21 +208,57 @@ class Tool(Lenient):
     function: FunctionSpec
 
 
+class NamedFunction(Lenient):
+    name: str
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # the tools go to the model's chat template, which shows them to the model; its answer comes back as
-    # text (calls are not parsed out of it, nor is decoding constrained to them: "required" is refused)
+    # the tools go to the model's chat template (or a system prompt, where the template shows none); calls
+    # are parsed out of the answer (`front.toolcalls`); "required", a named function and `strict` tools
+    # constrain decoding to the call format
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None  # parallel_tool_calls: ignored (no calls are parsed)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def template_tools(self) -> list[dict] | None:
         """The tools as chat templates take them (None: no tools, or `tool_choice` "none")."""
         if not self.tools or self.tool_choice == "none":
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def parses_calls(self) -> bool:
+        """Whether the answer is searched for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_functions(self) -> list[dict] | None:
+        """The functions decoding must call (tool_choice required: any; named: that one), else None."""
+        if self.tool_choice == "required":
+            return [t.function.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t.function.model_dump(exclude_none=True) for t in self.tools
+                    if t.function.name == self.tool_choice.function.name]
+        return None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice required needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                                 f"among the tools ({', '.join(names) or 'none given'})")
+        return self
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):

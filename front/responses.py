@@ -7,6 +7,7 @@ and `bytes` (chat) are its real bytes, so characters split across tokens can be 
 """
 from __future__ import annotations
 
+import json
 import threading
 from typing import Literal
 
@@ -15,12 +16,44 @@ from pydantic import BaseModel, Field
 from pdserve.kvtransfer.protocol import TokenLogprob
 
 
+def token_bytes(tokenizer) -> list[bytes | None]:
+    """Each token id's bytes, None for special/added tokens (they carry no text of the output).
+
+    Byte-level BPE (GPT-2, Llama 3, SmolLM2): token strings spell bytes in GPT-2's printable
+    alphabet. SentencePiece (Llama 2, Gemma): "▁" is a space and "<0xNN>" a raw byte.
+    """
+    n = len(tokenizer)
+    strings = tokenizer.convert_ids_to_tokens(list(range(n)))
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    decoder = None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        decoder = (json.loads(backend.to_str()).get("decoder") or {}).get("type")
+    out: list[bytes | None] = []
+    if decoder == "ByteLevel":
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        inverse = {ch: b for b, ch in bytes_to_unicode().items()}
+        for i, t in enumerate(strings):
+            try:
+                out.append(None if i in special or t is None else bytes(inverse[ch] for ch in t))
+            except KeyError:
+                out.append(None)
+        return out
+    for i, t in enumerate(strings):
+        if i in special or t is None:
+            out.append(None)
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            out.append(bytes([int(t[3:5], 16)]))
+        else:
+            out.append(t.replace("\u2581", " ").encode())
+    return out
+
+
 class TokenTexts:
     """Each token id's text and bytes, built once per tokenizer from its vocabulary."""
 
     def __init__(self, tokenizer):
-        from pdserve.jsonmask import token_bytes
-
         self.tokenizer = tokenizer
         self._bytes = token_bytes(tokenizer)
 
@@ -78,6 +111,8 @@ class PromptTokensDetails(BaseModel):
 class SpeculationUsage(BaseModel):
     draft_tokens: int
     accepted_tokens: int
+    forced_draft_tokens: int | None = Field(default=None, description="of the drafts, those the grammar forced")
+    forced_accepted_tokens: int | None = None
 
 
 class UsageInfo(BaseModel):
@@ -110,6 +145,7 @@ class CompletionLogprobs(BaseModel):
 
 
 FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionChoice(BaseModel):
@@ -132,15 +168,27 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is tool calls alone")
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = Field(default=None, description="pdserve: with return_token_ids")
 
@@ -154,15 +202,30 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str = Field(description="the next fragment of the arguments' JSON text")
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed tool call: the first names it (id, type, function name), later ones add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
     logprobs: ChatLogprobs | None = None
 
 

@@ -33,8 +33,10 @@ from transformers import AutoTokenizer
 
 from pdserve.basetypes import SamplingParams
 from pdserve.config import FrontConfig, load
+from pdserve.front.guided import GuidedError, guided_spec
 from pdserve.front.openai_schema import ChatCompletionRequest, CompletionRequest, asked_logprobs, ignored_fields
 from pdserve.front.openapi import IGNORED_FIELDS_HEADER, openapi_document
+from pdserve.front.toolcalls import ToolCallStream, extract, family_for_template, render_calls, tools_prompt
 from pdserve.introspect import register_runtime_metrics
 from pdserve.front.responses import TokenTexts, chat_logprobs, completion_logprobs
 from pdserve.kvtransfer.protocol import (
@@ -91,6 +93,8 @@ class Front:
                                  f"{self.max_context} tokens")
             self.max_context = args.max_model_len
         self.vocab_size = max(int(cfg.get("vocab_size", 0)), len(self.tokenizer))
+        self.tool_family = args.tool_call_parser or family_for_template(self.tokenizer.chat_template)
+        self.template_shows_tools, self.template_shows_calls = self._template_tool_support()
         self.api_key = args.api_key.get_secret_value() if args.api_key else None
         self.scope = args.deployment_scope
         self.creds = NatsCredentials.from_config(args.nats, scope=self.scope)
@@ -132,6 +136,42 @@ class Front:
         head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 64)) // heads)
         itemsize = 2 if kv_dtype in ("bfloat16", "float16") else 4
         return int(cfg.get("num_hidden_layers", 1)) * 2 * int(cfg.get("num_key_value_heads", heads)) * head_dim * itemsize
+
+    def _template_tool_support(self) -> tuple[bool, bool]:
+        """Whether the chat template renders `tools`, and an assistant's earlier `tool_calls` (SmolLM2-Instruct's
+        renders neither: the front then writes them in the family's format itself)."""
+        probe = "pdserve_probe_fn"
+        user = [{"role": "user", "content": "hi"}]
+        tool = [{"type": "function", "function": {"name": probe, "parameters": {"type": "object"}}}]
+        call = [*user, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": probe, "arguments": {}}}]}]
+        try:
+            shows_tools = probe in self.tokenizer.apply_chat_template(user, tools=tool, tokenize=False)
+            shows_calls = probe in self.tokenizer.apply_chat_template(call, tokenize=False)
+        except Exception:  # a template that refuses these shapes: the front writes them
+            return False, False
+        return shows_tools, shows_calls
+
+    def chat_messages(self, req: ChatCompletionRequest) -> tuple[list[dict], list[dict] | None]:
+        """The messages and tools to render with the chat template: where the template does not show
+        tools or earlier calls, the tools go in a system prompt and the calls into the assistant's text,
+        in the deployment's tool-call format."""
+        messages = [m.for_template() for m in req.messages]
+        tools = req.template_tools()
+        if not self.template_shows_calls:
+            for m in messages:
+                if m.get("tool_calls"):
+                    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.pop("tool_calls")]
+                    m["content"] = (m["content"] + "\n" if m["content"] else "") + render_calls(self.tool_family,
+                                                                                               calls)
+        if tools and not self.template_shows_tools:
+            prompt = tools_prompt(self.tool_family, tools)
+            if messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}
+            else:
+                messages.insert(0, {"role": "system", "content": prompt})
+            tools = None
+        return messages, tools
 
     def chat_prompt_ids(self, messages: list[dict], generation_prompt: bool = True,
                         tools: list[dict] | None = None) -> list[int]:
@@ -293,7 +333,10 @@ class Front:
         if bad:
             raise RequestFailed(400, f"stop_token_ids: {bad[:5]} outside the vocabulary (0..{self.vocab_size - 1})",
                                 "invalid_request_error", code="stop_token_ids")
-        fmt = req.response_format.type if req.response_format else "text"
+        try:
+            guided = guided_spec(req, self.tool_family)
+        except GuidedError as e:
+            raise RequestFailed(400, str(e), "invalid_request_error", code=e.field)
         # -1 and 0 are off, and so is a k past the vocabulary (it keeps every token; as a number it would
         # not fit the workers' int32 sampling tensors)
         top_k = req.top_k if 0 < req.top_k < self.vocab_size else 0
@@ -303,7 +346,7 @@ class Front:
                 min_p=req.min_p, seed=req.seed, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
                 ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, repetition_penalty=req.repetition_penalty,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, n=req.n,
-                logprobs=asked_logprobs(req), skip_special_tokens=req.skip_special_tokens, response_format=fmt)
+                logprobs=asked_logprobs(req), skip_special_tokens=req.skip_special_tokens, guided=guided)
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or None
@@ -339,7 +382,8 @@ class Front:
             req = await self._parse(request, ChatCompletionRequest if chat else CompletionRequest)
             headers = self._ignored(req, rid)
             if chat:
-                prompt_ids = self.chat_prompt_ids([m.for_template() for m in req.messages], tools=req.template_tools())
+                messages, tools = self.chat_messages(req)
+                prompt_ids = self.chat_prompt_ids(messages, tools=tools)
             elif isinstance(req.prompt, list):
                 if any(not (0 <= t < len(self.tokenizer)) for t in req.prompt):
                     raise RequestFailed(400, "prompt token ids out of the vocabulary", "invalid_request_error")
@@ -376,6 +420,11 @@ class Front:
         if drafted:
             u["speculation"] = {"draft_tokens": drafted,
                                 "accepted_tokens": sum(c.usage.spec_accepted_tokens for c in gen.choices if c.usage)}
+            forced = sum(c.usage.forced_draft_tokens for c in gen.choices if c.usage)
+            if forced:
+                u["speculation"]["forced_draft_tokens"] = forced
+                u["speculation"]["forced_accepted_tokens"] = sum(c.usage.forced_accepted_tokens
+                                                                 for c in gen.choices if c.usage)
         return u
 
     def _logprobs(self, chat: bool, tokens: list[int], lps: list[TokenLogprob] | None, offset: int) -> dict | None:
@@ -396,8 +445,14 @@ class Front:
         for c in gen.choices:
             lps = self._logprobs(chat, c.token_ids, c.logprobs if gen.params.logprobs is not None else None, 0)
             if chat:
-                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                          "finish_reason": c.finish_reason, "logprobs": lps}
+                message = {"role": "assistant", "content": c.text}
+                finish = c.finish_reason
+                if gen.req.parses_calls:
+                    content, calls = extract(self.tool_family, c.text)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": [t.openai() for t in calls]}
+                        finish = "tool_calls" if finish == "stop" else finish
+                choice = {"index": c.index, "message": message, "finish_reason": finish, "logprobs": lps}
             else:
                 choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": lps}
             if gen.req.return_token_ids:
@@ -418,9 +473,11 @@ class Front:
         continuous = include_usage and opts.continuous_usage_stats  # as vLLM: usage in every chunk
 
         def chunk(index: int, delta: str | None, finish: str | None, lps: dict | None = None,
-                  role: bool = False) -> bytes:
+                  role: bool = False, tool_calls: list[dict] | None = None) -> bytes:
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
+                if tool_calls:
+                    d["tool_calls"] = tool_calls
                 choice = {"index": index, "delta": d, "finish_reason": finish, "logprobs": lps}
             else:
                 choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": lps}
@@ -431,6 +488,8 @@ class Front:
 
         started = False
         offsets = [0] * gen.params.n  # per choice: characters of its tokens' texts so far (text_offset)
+        # per choice: its tool calls, parsed as they stream (their markup never reaches content)
+        calls = [ToolCallStream(self.tool_family) for _ in range(gen.params.n)] if chat and gen.req.parses_calls else None
         try:
             async for c, ev in gen.run():
                 if not started:
@@ -440,12 +499,26 @@ class Front:
                         for i in range(gen.params.n):
                             await resp.write(chunk(i, None, None, role=True))
                 if ev is None:  # the choice is done
-                    await resp.write(chunk(c.index, None if chat else "", c.finish_reason))
+                    finish = c.finish_reason
+                    if calls is not None:
+                        d = calls[c.index].finish()
+                        if d.content or d.tool_calls:
+                            await resp.write(chunk(c.index, d.content or None, None, tool_calls=d.tool_calls))
+                        if calls[c.index].has_calls and finish == "stop":
+                            finish = "tool_calls"
+                    await resp.write(chunk(c.index, None if chat else "", finish))
                 elif ev.text or ev.logprobs:
                     lps = self._logprobs(chat, ev.token_ids, ev.logprobs, offsets[c.index])
                     if lps and not chat:
                         offsets[c.index] = lps["text_offset"][-1] + len(lps["tokens"][-1])
-                    await resp.write(chunk(c.index, ev.text, None, lps))
+                    if calls is None:
+                        await resp.write(chunk(c.index, ev.text, None, lps))
+                        continue
+                    d = calls[c.index].feed(ev.text or "")
+                    if d.content or lps:
+                        await resp.write(chunk(c.index, d.content, None, lps))
+                    if d.tool_calls:
+                        await resp.write(chunk(c.index, None, None, tool_calls=d.tool_calls))
             if not started:
                 await resp.prepare(request)
             if include_usage:
@@ -537,9 +610,9 @@ class Generation:
     def next_turn_ids(self) -> list[int]:
         """The likeliest start of this conversation's next request: everything so far plus the answer."""
         if isinstance(self.req, ChatCompletionRequest):
-            messages = [m.for_template() for m in self.req.messages]
+            messages, tools = self.front.chat_messages(self.req)
             messages.append({"role": "assistant", "content": self.choices[0].text})
-            return self.front.next_user_turn_ids(messages, self.req.template_tools())
+            return self.front.next_user_turn_ids(messages, tools)
         return self.prompt_ids + self.choices[0].token_ids
 
     def _choice(self, ev: StreamEvent) -> Choice:

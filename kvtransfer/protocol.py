@@ -418,8 +418,10 @@ class TransferFailed(Message):
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
-    spec_draft_tokens: int = 0
+    spec_draft_tokens: int = 0  # all drafts, grammar-forced ones included
     spec_accepted_tokens: int = 0
+    forced_draft_tokens: int = 0  # drafts the request's grammar forced
+    forced_accepted_tokens: int = 0
 
 
 LOGPROB_FLOOR = -9999.0  # what a zero-probability token reports (vLLM reports the same)

@@ -23,12 +23,29 @@ MAX_CHOICES = 16  # `n`: choices of one request, all sharing the prompt's KV
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default `max_logprobs`
 
 
+ToolCallFormat = Literal["hermes", "llama3_json", "mistral", "json"]  # tool-call formats (`front.toolcalls`)
+TOOL_CALL_FORMATS: tuple[str, ...] = get_args(ToolCallFormat)
+
+GuidedKind = Literal["json_object", "json_schema", "regex", "grammar", "structural_tag"]
+
+
+class Guided(BaseModel):
+    """A grammar the output must follow (`pdserve.grammar` compiles it on each worker). `value`: the JSON
+    schema (JSON text), the regular expression, the EBNF grammar, or the structural tag (JSON text, the
+    tool-call formats); empty for `json_object` (any JSON object)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: GuidedKind
+    value: str = ""
+
+
 class SamplingParams(BaseModel):
     """What a request asks of generation. Validated at the edge (the front) and again by workers.
 
     `temperature == 0` is greedy; `top_k == 0`, `top_p == 1` and `min_p == 0` turn those filters
     off. The order of processing is vLLM's: the raw logits get the history-dependent processors
-    (`min_tokens`, the `response_format` mask, then the repetition, frequency and presence
+    (`min_tokens`, the grammar's mask (`guided`), then the repetition, frequency and presence
     penalties — `pdserve.processors`); greedy takes their argmax; sampling goes on with
     temperature → min-p → top-k → top-p (`pdserve.kernels.spec_verify.process_logits`).
     """
@@ -51,7 +68,7 @@ class SamplingParams(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # None: none; k: the token's and k alternatives
     skip_special_tokens: bool = True
-    response_format: Literal["text", "json_object"] = "text"
+    guided: Guided | None = None  # constrained decoding: the grammar the output follows
 
     @field_validator("stop")
     @classmethod
@@ -84,7 +101,7 @@ class SamplingParams(BaseModel):
         """Whether a token's distribution depends on the tokens before it beyond the model's logits
         (penalties, min_tokens, a format mask): then every position needs its own processing."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.min_tokens > 0 or self.response_format != "text")
+                or self.min_tokens > 0 or self.guided is not None)
 
 
 # --- how KV moves ---------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from pdserve.basetypes import DEFAULT_BLOCK_SIZE, TRANSPORTS, Compression
+from pdserve.basetypes import DEFAULT_BLOCK_SIZE, TRANSPORTS, Compression, ToolCallFormat
 
 ENV_PREFIX = "PDSERVE_"
 # Model and KV element types a worker runs with; auto: bfloat16 on GPUs that have it, float32 on the CPU.
@@ -316,6 +316,9 @@ class FrontConfig(ProcessConfig):
     kv_dtype: Dtype = Field("auto", description="the decode workers' KV element type, for the router's estimate "
                                                 "of KV bytes per token")
     api_key: Annotated[SecretStr | None, ENV_ONLY] = Field(None, description="require this bearer token on /v1")
+    tool_call_parser: ToolCallFormat | None = Field(
+        None, description="tool-call format to parse out of chat answers (as vLLM's --tool-call-parser); default: "
+                          "the one the model's chat template implies")
 
 
 class OperatorSettings(Settings):

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from pdserve.basetypes import TOOL_CALL_FORMATS
 from pdserve.children import STOP_SIGNALS, ChildRecord, die_with_parent, signals_held, sweep
 from pdserve.config import DTYPES, DecodeConfig, FrontConfig, KVSendConfig, PrefillConfig, S, option, to_args
 from pdserve.natsserver import EmbeddedNats, NatsCredentials, free_port
@@ -390,6 +391,8 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--local-prefill-chunk", type=int, default=None,
                    help="most tokens of such a prompt per decode step beside running sequences (0: decode takes "
                         "none; default: 256 on the native CPU decoder, else 64)")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_FORMATS,
+                   help="tool-call format of chat answers (default: the one the model's chat template implies)")
     w.add_argument("--cpu-lease", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill-i borrows decode-i's threads for prompt steps while decode-i is idle "
                         "(pdserve.cpulease; default: on)")
@@ -421,7 +424,8 @@ def worker_args(args: argparse.Namespace) -> dict[str, list[str]]:
     return {"prefill": to_args(_settings(PrefillConfig, **both, **prefill)),
             "decode": to_args(_settings(DecodeConfig, **both, **decode, spec=spec)),
             # the front sizes its routing's KV estimates by the workers' element type
-            "front": to_args(_settings(FrontConfig, **({"kv_dtype": args.dtype} if args.dtype else {})))}
+            "front": to_args(_settings(FrontConfig, **given(kv_dtype=args.dtype,
+                                                            tool_call_parser=getattr(args, "tool_call_parser", None))))}
 
 
 def main(argv: list[str]) -> int:

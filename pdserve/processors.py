@@ -1,4 +1,4 @@
-"""History-dependent logits processing for one sequence: penalties, min_tokens, the JSON mask; and logprobs.
+"""History-dependent logits processing for one sequence: penalties, min_tokens, the grammar's mask; and logprobs.
 
 A token's distribution under these options depends on the tokens before it, so each position is
 processed with its own history. Speculative verification scores k drafts in one forward; row j of
@@ -11,8 +11,9 @@ What is applied, in vLLM's order, to the raw logits (float32) of a position:
 
 1. `min_tokens`: EOS (unless `ignore_eos`) and `stop_token_ids` are cut (-inf) while fewer than
    `min_tokens` tokens were generated (transformers' `MinNewTokensLengthLogitsProcessor`).
-2. `response_format: json_object`: every token that would leave a valid JSON object is cut
-   (`pdserve.jsonmask`); once the object is closed only EOS remains, whatever min_tokens says.
+2. a grammar (`guided`: JSON mode, a JSON schema, a regex, a grammar, a tool-call format): every
+   token the grammar does not allow next is cut (`pdserve.grammar`); once the grammar is complete
+   only EOS remains, whatever min_tokens says.
 3. `repetition_penalty` r on every token of the prompt or the output: a logit x becomes x / r if
    x > 0, else x * r (transformers' `RepetitionPenaltyLogitsProcessor`); then
    `frequency_penalty` f and `presence_penalty` p on output tokens: x - f * count - p * (count > 0)
@@ -29,18 +30,18 @@ from __future__ import annotations
 import torch
 
 from pdserve.basetypes import SamplingParams
-from pdserve.jsonmask import DONE, INITIAL, JsonVocab
+from pdserve.grammar import GrammarState, GrammarVocab, apply_masks
 
 
 class SequenceProcessor:
     """One sequence's processing state: what it was prompted with and has generated so far.
 
     `vocab`: the logits' width (the model's vocabulary, which may exceed the tokenizer's);
-    `eos_token_ids`: the model's end tokens; `json_vocab`: needed when the request asks for JSON.
+    `eos_token_ids`: the model's end tokens; `grammar`: the request's grammar state, when it has one.
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], generated: list[int], vocab: int,
-                 eos_token_ids: set[int], json_vocab: JsonVocab | None = None):
+                 eos_token_ids: set[int], grammar: GrammarState | None = None):
         self.params = params
         self.vocab = vocab
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
@@ -53,21 +54,29 @@ class SequenceProcessor:
             self.seen = torch.zeros(vocab, dtype=torch.bool)  # prompt or output tokens (repetition penalty)
             if prompt_ids:
                 self.seen[torch.tensor(prompt_ids, dtype=torch.long)] = True
-        self.json_vocab = json_vocab if params.response_format == "json_object" else None
-        if params.response_format == "json_object" and json_vocab is None:
-            raise ValueError("response_format json_object needs the tokenizer's JsonVocab")
-        self.json_state = INITIAL if self.json_vocab is not None else None
+        if params.guided is not None and grammar is None:
+            raise ValueError("a guided request needs its GrammarState")
+        self.grammar = grammar
         self.advance(generated)
+
+    def _stop_mask(self) -> torch.Tensor:
+        m = torch.zeros(1, self.vocab, dtype=torch.bool)
+        m[0, self._stop_ids] = True
+        return m
+
+    def _only_stops(self, masks: torch.Tensor) -> torch.Tensor:
+        """Per row `[n]` bool: the bitmasks `[n, words]` allow stop tokens only (the grammar is complete)."""
+        return ((masks & ~self.grammar.vocab.stop_bits) == 0).all(dim=1)
 
     def advance(self, tokens: list[int]) -> None:
         """Count tokens that were generated (committed)."""
+        if self.grammar is not None:
+            self.grammar.advance(tokens)
         for t in tokens:
             self.generated += 1
             if self._penalties and 0 <= t < self.vocab:
                 self.counts[t] += 1
                 self.seen[t] = True
-            if self.json_vocab is not None:
-                self.json_state = self.json_vocab.advance(self.json_state, t)
 
     def process(self, logits: torch.Tensor, drafts: list[int] = ()) -> torch.Tensor:
         """Raw logits `[n, vocab]` (row j: the position after drafts[:j]) → processed logits `[n, vocab]`
@@ -75,15 +84,14 @@ class SequenceProcessor:
         n = logits.shape[0]
         out = logits.float().clone()
         drafts = list(drafts)[: n - 1]
-        json_states = [self.json_state]
-        for d in drafts:
-            json_states.append(self.json_vocab.advance(json_states[-1], d) if self.json_vocab is not None else None)
-        for j in range(n):
-            done = json_states[j] is not None and json_states[j].mode == DONE  # only EOS is left
-            if self.generated + j < self.params.min_tokens and len(self._stop_ids) and not done:
-                out[j, self._stop_ids] = float("-inf")
-            if self.json_vocab is not None and json_states[j] is not None:
-                out[j].masked_fill_(~self.json_vocab.mask(json_states[j]), float("-inf"))
+        masks = self.grammar.masks(drafts, n) if self.grammar is not None else None
+        if self.generated < self.params.min_tokens and len(self._stop_ids):
+            cut = torch.arange(n) < self.params.min_tokens - self.generated
+            if masks is not None:  # a complete grammar leaves only EOS, whatever min_tokens says
+                cut &= ~self._only_stops(masks)
+            out[cut[:, None] & self._stop_mask()] = float("-inf")
+        if masks is not None:
+            apply_masks(out, masks)
         if self._penalties:
             counts = self.counts.expand(n, -1).clone()
             for j, d in enumerate(drafts):
@@ -113,8 +121,10 @@ def make_processor(params: SamplingParams, prompt_ids: list[int], generated: lis
     logits (then plain sampling applies as is, at no cost)."""
     if not params.history_dependent:
         return None
-    jv = JsonVocab.of(tokenizer, eos_token_ids) if params.response_format == "json_object" else None
-    return SequenceProcessor(params, prompt_ids, generated, vocab, eos_token_ids, json_vocab=jv)
+    grammar = None
+    if params.guided is not None:
+        grammar = GrammarState(GrammarVocab.of(tokenizer, vocab, eos_token_ids), params.guided)
+    return SequenceProcessor(params, prompt_ids, generated, vocab, eos_token_ids, grammar=grammar)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[dict]:

@@ -69,6 +69,7 @@ from pdserve.kvtransfer.protocol import (
     Buckets, StreamEvent, Subjects, Usage,
 )
 from pdserve.kvtransfer.shm import SENDER_MAPS
+from pdserve.grammar import GrammarError, GrammarVocab
 from pdserve.processors import make_processor, token_logprobs
 from pdserve.sampling import TextStream, sample_next
 from pdserve.workerbase import WorkerBase, run_worker
@@ -298,6 +299,8 @@ class PrefillWorker(WorkerBase):
             await msg.respond(Ack(accepted=False, worker_id=self.worker_id, error=str(e), status=400).encode())
             return
         await msg.respond(Ack(accepted=True, worker_id=self.worker_id).encode())
+        if req.sampling.guided is not None and req.sampling.n == 1:
+            await self._compile_grammar(req)
         job = Job(f"req-{next(_JOB_IDS)}-{req.request_id}", list(req.prompt_token_ids), time.monotonic(), req)
         job.trace = tracing.start_request("prefill.request", req.traceparent, **{
             "pdserve.request_id": req.request_id, "pdserve.worker": self.worker_id,
@@ -308,6 +311,16 @@ class PrefillWorker(WorkerBase):
             self.spawn(self._fetch_then_queue(job))
         else:
             self._queue(job)
+
+    async def _compile_grammar(self, req: PrefillRequest) -> None:
+        """Compile the request's grammar off the compute thread (a new JSON schema takes as long as many model
+        steps), so the first token's mask (`_choose_first`) finds it cached instead of stalling every prompt's step."""
+        try:
+            vocab = await asyncio.to_thread(GrammarVocab.of, self.runner.tokenizer, self.runner.vocab_size,
+                                            self.runner.eos_token_ids)
+            await asyncio.to_thread(vocab.compile, req.sampling.guided)
+        except GrammarError as e:  # the front checked it; the first token's sampling reports it again
+            log.warning("request %s: its grammar does not compile: %s", req.request_id, e)
 
     def _queue(self, job: Job) -> None:
         ahead = self._defer_ahead(job)

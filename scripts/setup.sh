@@ -60,8 +60,9 @@ if [ "$what" = test ] && ! command -v promtool >/dev/null 2>&1; then
       || echo "setup: prometheus could not be installed; tests/test_prometheus.py will skip" >&2
   fi
 fi
-# The peers the client-compatibility tests drive (vLLM's CPU build and its benchmark client, guidellm),
-# each in a venv of its own under ~/.cache/pdserve/peers (~5 min the first time). Not for serving.
+# The peers the client-compatibility tests drive (vLLM's CPU build and its benchmark client, guidellm, and
+# LangChain for the agent tool loop), each in a venv of its own under ~/.cache/pdserve/peers (~5 min the
+# first time). Not for serving.
 if [ "$what" = test ] && [ "${PDSERVE_SKIP_PEERS:-0}" != 1 ]; then
-  "$PY" -P -c 'import runpy; p = runpy.run_path("bench/peer.py"); p["ensure_vllm"](); p["ensure_guidellm"]()'
+  "$PY" -P -c 'import runpy; p = runpy.run_path("bench/peer.py"); p["ensure_vllm"](); p["ensure_guidellm"](); p["ensure_langchain"]()'
 fi

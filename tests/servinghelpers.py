@@ -164,3 +164,19 @@ def wire_bytes(metrics_port: int) -> tuple[dict[tuple[str, str], float], float]:
         wire[label["transport"], label["compression"]] = float(value)
     kv = re.search(r"^pdserve_kv_transfer_received_bytes_total (\S+)$", text, re.M)
     return wire, float(kv.group(1))
+
+
+def json_object_prefix(text: str) -> bool:
+    """Whether `text` is a JSON object or the start of one (what a JSON-mode answer cut by max_tokens is)."""
+    import xgrammar as xgr
+
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_json_schema(
+        '{"type": "object"}', any_whitespace=True, strict_mode=False)
+    return xgr.GrammarMatcher(compiled).accept_string(text)
+
+
+def openai_client(url: str):
+    """The official `openai` client on a deployment's front: no retries (a failure is the finding), a long timeout."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)

@@ -194,6 +194,9 @@ def test_up_hands_the_workers_options_to_each_child_as_its_own_settings():
     assert (decode.spec.method, decode.spec.max_k) == ("ngram", 4)
     assert load(FrontConfig, flags["front"], environ={}).kv_dtype == "bfloat16"  # its routing's KV estimate
     assert load(FrontConfig, worker_args(_parser().parse_args([]))["front"], environ={}).kv_dtype == "auto"
+    flags = worker_args(_parser().parse_args(["--tool-call-parser", "mistral"]))
+    assert load(FrontConfig, flags["front"], environ={}).tool_call_parser == "mistral"  # the front parses calls
+    assert load(FrontConfig, worker_args(_parser().parse_args([]))["front"], environ={}).tool_call_parser is None
     with pytest.raises(ValueError, match="--threads: .*greater than or equal to 1"):
         worker_args(_parser().parse_args(["--threads", "0"]))
     with pytest.raises(ValueError, match="--spec-max-k"):

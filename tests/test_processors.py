@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (
 )
 
 from pdserve.basetypes import SamplingParams
-from pdserve.processors import SequenceProcessor, token_logprobs
+from pdserve.processors import SequenceProcessor, make_processor, token_logprobs
 
 V = 300
 EOS = {2}
@@ -96,15 +96,14 @@ def test_token_logprobs_are_the_raw_log_softmax():
 def test_json_mask_per_row_and_min_tokens_yield_to_a_closed_object(model_dir):
     from transformers import AutoTokenizer
 
-    from pdserve.jsonmask import JsonVocab
+    from pdserve.basetypes import Guided
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    jv = JsonVocab.of(tok, {2})
     vocab = len(tok)
-    params = SamplingParams(response_format="json_object", min_tokens=8, max_tokens=16)
+    params = SamplingParams(guided=Guided(kind="json_object"), min_tokens=8, max_tokens=16)
     ids = tok.encode('{"a": 1}', add_special_tokens=False)
     x = torch.randn(len(ids) + 1, vocab, generator=torch.Generator().manual_seed(6))
-    p = SequenceProcessor(params, [5], [], vocab, {2}, json_vocab=jv)
+    p = make_processor(params, [5], [], vocab, tok, {2})
     rows = p.process(x, ids)
     for j in range(len(ids)):
         assert torch.isfinite(rows[j, ids[j]])  # the object's own next token is allowed
@@ -112,3 +111,6 @@ def test_json_mask_per_row_and_min_tokens_yield_to_a_closed_object(model_dir):
     # closed before min_tokens: EOS is the only way on, and min_tokens does not cut it
     assert torch.isfinite(rows[-1]).nonzero().flatten().tolist() == [2]
     assert rows[0].isfinite().sum() < vocab // 100  # at the start: '{' and whitespace only
+    # the matcher is where the committed tokens left it: masking the drafts' rows moved nothing
+    again = p.process(x[:1])
+    assert torch.equal(again[0].isfinite(), rows[0].isfinite())
