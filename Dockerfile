@@ -47,14 +47,14 @@ COPY --from=kernels /prebuilt /src/kernels/prebuilt
 RUN python -m venv /tmp/venv \
  && PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 /tmp/venv/bin/pip wheel --no-deps -w /wheels /src
 
-# What each image installs, from pyproject.toml: its dependencies and its `k8s` extra (where it has
-# one); the operator only those of the distributions named in [tool.pdserve] operator-image (kopf and
+# What each image installs, from pyproject.toml: its dependencies and its `k8s` and `otel` extras (the workers
+# export traces where OTEL_EXPORTER_OTLP_ENDPOINT is set in their pods); the operator only those of the distributions named in [tool.pdserve] operator-image (kopf and
 # the Kubernetes client): no torch, no CUDA stack. A stage of its own, because a COPY is cached by its
 # content: the dependency layers below are rebuilt when these lists change, not when pyproject.toml's
 # test settings or development tools do.
 FROM ${BASE} AS requirements
 COPY pyproject.toml /tmp/pyproject.toml
-RUN mkdir /requirements && python -c 'import re, tomllib; t = tomllib.load(open("/tmp/pyproject.toml", "rb")); p = t["project"]; deps = p["dependencies"] + p.get("optional-dependencies", {}).get("k8s", []); keep = set(t["tool"]["pdserve"]["operator-image"]); open("/requirements/workers.txt", "w").write("\n".join(deps) + "\n"); open("/requirements/operator.txt", "w").write("\n".join(d for d in deps if re.split(r"[<>=!~ \[;]", d)[0] in keep) + "\n")'
+RUN mkdir /requirements && python -c 'import re, tomllib; t = tomllib.load(open("/tmp/pyproject.toml", "rb")); p = t["project"]; deps = p["dependencies"] + [d for x in ("k8s", "otel") for d in p.get("optional-dependencies", {}).get(x, [])]; keep = set(t["tool"]["pdserve"]["operator-image"]); open("/requirements/workers.txt", "w").write("\n".join(deps) + "\n"); open("/requirements/operator.txt", "w").write("\n".join(d for d in deps if re.split(r"[<>=!~ \[;]", d)[0] in keep) + "\n")'
 
 FROM ${BASE} AS runtime
 ENV PATH=/opt/pdserve/bin:$PATH \

@@ -276,11 +276,11 @@ def _debian_mirror() -> str:
 
 def _image_requirements() -> tuple[list[str], list[str]]:
     """What the images install, as the Dockerfile's requirements stage reads pyproject.toml: the
-    dependencies and the `k8s` extra, and the operator image's distribution names."""
+    dependencies and the `k8s` and `otel` extras, and the operator image's distribution names."""
     t = tomllib.loads((REPO / "pyproject.toml").read_text())
     p = t["project"]
-    return ([*p["dependencies"], *p.get("optional-dependencies", {}).get("k8s", [])],
-            t["tool"]["pdserve"]["operator-image"])
+    extras = p.get("optional-dependencies", {})
+    return ([*p["dependencies"], *extras.get("k8s", []), *extras.get("otel", [])], t["tool"]["pdserve"]["operator-image"])
 
 
 def _canonical(name: str) -> str:

@@ -21,8 +21,10 @@ def _pyproject() -> dict:
 
 
 def _image_requirements(p: dict) -> list[str]:
-    """What the Dockerfile installs: the dependencies and the `k8s` extra, where there is one."""
-    return p["project"]["dependencies"] + p["project"].get("optional-dependencies", {}).get("k8s", [])
+    """What the Dockerfile installs: the dependencies and the `k8s` and `otel` extras (the workers export traces
+    when their pods set the OpenTelemetry variables), where there are such."""
+    extras = p["project"].get("optional-dependencies", {})
+    return p["project"]["dependencies"] + extras.get("k8s", []) + extras.get("otel", [])
 
 
 def _name(requirement: str) -> str:
@@ -84,7 +86,7 @@ def _closure(names: set[str]) -> set[str]:
 
 def test_the_requirements_stage_writes_each_images_requirements(tmp_path):
     """The Dockerfile's requirements stage, run here on the repository's pyproject.toml: the workers
-    get the dependencies and the `k8s` extra, the operator those of its distributions only."""
+    get the dependencies and the `k8s` and `otel` extras, the operator those of its distributions only."""
     dockerfile = (REPO / "Dockerfile").read_text()
     stage = dockerfile.split("AS requirements\n", 1)[1].split("\nFROM ", 1)[0]
     program = re.search(r"python -c '(.*)'$", stage, re.M).group(1)
