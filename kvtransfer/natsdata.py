@@ -31,6 +31,7 @@ from pdserve.kvtransfer.frames import (
 )
 from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.receiver import Assembly, Receiver
+from pdserve.natsserver import settle
 
 log = logging.getLogger("pdserve.kvtransfer.nats")
 
@@ -203,7 +204,7 @@ class NatsTransferServer:
         self.exp.cleanup.append(self._stop)
         # the server has the subscription before the sender can hear of it: the reply may travel a faster
         # way than this connection (or another NATS connection), and a chunk sent before would find nobody
-        await self.nc.flush()
+        await settle(self.nc)
         return self
 
     def _stop(self) -> None:

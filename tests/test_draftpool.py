@@ -117,13 +117,17 @@ def _drafter(tenant: str, **kw) -> PoolDrafter:
 async def _report_and_wait(pool: DraftPool, drafter: PoolDrafter, rid: str, tokens: list[int]) -> None:
     """End a request on `drafter` (it reports the tokens) and wait until the pool has indexed them.
 
-    The request proposes nothing (k = 0), so it never asks the pool: an ask sent the moment a pool has
-    subscribed may still find no responder (seen about once in a hundred on a loaded machine, after the
-    pool's subscribe and flush), and the back-off it earns would skip the ask the test is about."""
+    The request proposes nothing (k = 0), so it never asks the pool: were an ask to find no responder, the
+    back-off it earns would skip the ask the test is about. (The pool's start settles its subscriptions —
+    `natsserver.settle` — since a report sent after a bare flush was once lost in CI, and this wait hung.)"""
     pool.indexed.clear()
     await drafter.propose(rid, tokens, 0)
     drafter.release(rid)
-    await pool.indexed.wait()
+    try:
+        await asyncio.wait_for(pool.indexed.wait(), 30.0)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"the pool never indexed {rid}'s report (reports so far: "
+                             f"{pool.m_reports._value.get():.0f})") from None
 
 
 def test_pool_drafts_a_tenants_requests_from_its_earlier_requests_only(nats_server):
@@ -174,7 +178,7 @@ def test_pool_answers_concurrent_asks_in_one_batch(nats_server):
                                            k=3, timeout_ms=60_000).encode()))
             for i in range(8)]
         while pool.waiting < 8:
-            await pool.arrived.wait()
+            await asyncio.wait_for(pool.arrived.wait(), 30.0)  # a bound on a hang: an ask that never came
             pool.arrived.clear()
         assert await pool.serve_once() == 8
         replies = [DraftReply.decode(m.data) for m in await asyncio.gather(*asks)]
@@ -238,7 +242,7 @@ def test_an_overloaded_pool_sheds_asks(nats_server):
         req = lambda i: DraftRequest(request_id=f"r{i}", tenant="t", tail=[1, 2], k=2, timeout_ms=60_000).encode()  # noqa: E731
         first = asyncio.create_task(_ask(nc, pool.subject, req(0)))
         while pool.waiting < 1:
-            await pool.arrived.wait()
+            await asyncio.wait_for(pool.arrived.wait(), 30.0)  # a bound on a hang: an ask that never came
             pool.arrived.clear()
         shed = DraftReply.decode((await _ask(nc, pool.subject, req(1))).data)
         assert shed.overloaded and shed.token_ids == []

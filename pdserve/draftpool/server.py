@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from pdserve.config import DraftPoolConfig, load
 from pdserve.draftpool.index import SuffixIndex
 from pdserve.kvtransfer.protocol import DraftReply, DraftReport, DraftRequest, LoadReport, ProtocolError, Subjects
-from pdserve.natsserver import NatsCredentials, close_connection
+from pdserve.natsserver import NatsCredentials, close_connection, settle
 from pdserve.workerbase import heartbeat, setup_logging
 
 log = logging.getLogger("pdserve.draftpool")
@@ -83,8 +83,8 @@ class DraftPool:
                       await nc.subscribe(Subjects.draft_report(self.cfg.deployment_scope, served_name(self.cfg)),
                                          cb=self._on_report)]
         # Asks and reports come over other connections: they find this pool only once the server holds
-        # its subscriptions (an ask before that is "no responders", and its asker backs off).
-        await nc.flush()
+        # its subscriptions (an ask before that is "no responders", and its asker backs off; a report is lost).
+        await settle(nc)
         if serve:
             load = Subjects.load(self.cfg.deployment_scope, ROLE, self.worker_id)
             self._tasks = [asyncio.create_task(self._serve()),
