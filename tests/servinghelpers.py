@@ -79,12 +79,14 @@ class NatsWatch:
     async def _main(self, creds, subjects) -> None:
         import nats
 
+        from pdserve.natsserver import settle
+
         self._stop = asyncio.Event()
         try:
             nc = await nats.connect(**creds.connect_kwargs())
             for subject in subjects:
                 await nc.subscribe(subject, cb=self._on_msg)
-            await nc.flush()
+            await settle(nc)  # the subscriptions are the server's before the caller goes on
         except BaseException as e:
             self._error = e
             self._ready.set()

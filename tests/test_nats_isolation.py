@@ -18,7 +18,7 @@ from pdserve.kvtransfer.protocol import (
     Buckets, HandoffOffer, LoadReport, Subjects, inbox_prefix, observer_permissions, permissions,
 )
 from pdserve.kvtransfer.tcp_server import KVReceiver
-from pdserve.natsserver import EmbeddedNats, NatsUser, ServerTls
+from pdserve.natsserver import EmbeddedNats, NatsUser, ServerTls, settle
 
 A, B = "ns-a.llama", "ns-b.llama"
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=3, kv_heads=2, head_dim=8, dtype="float32", block_size=4)
@@ -75,7 +75,7 @@ def test_a_deployment_cannot_reach_another(tenants):
                 marker.set()
 
         await admin.subscribe(">", cb=watch)
-        await admin.flush()
+        await settle(admin)
 
         # publishing into B: every kind of subject B has, and B's inbox (a forged reply)
         b_subjects = [Subjects.prefill(B, "m"), Subjects.decode_handoff(B, "d0"), Subjects.stream(B, "r1"),
@@ -170,7 +170,7 @@ def test_the_metrics_adapter_reads_every_deployment_and_speaks_for_none(tenants)
             got.put_nowait(msg)
 
         await obs.nc.subscribe(Subjects.LOAD_ANY, cb=take)
-        await obs.nc.flush()
+        await settle(obs.nc)
         mine = LoadReport(worker_id="w1", role="decode", model="m", isvc="llama", namespace="ns-a", pod="p1",
                           scope=A, running=3)
         forged = mine.model_copy(update={"namespace": "ns-b", "scope": B, "pod": "p2"})
