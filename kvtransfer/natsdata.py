@@ -24,14 +24,13 @@ from typing import AsyncIterator
 
 import torch
 
-from pdserve.kvtransfer.protocol import Buckets, Subjects
+from pdserve.kvtransfer.protocol import Buckets, Subjects, settle
 from pdserve.basetypes import LayoutMismatch
 from pdserve.kvtransfer.frames import (
     END, HELLO, MAX_CHUNK, OBJECT, TransferError, TransferHeader, crc32, frame, layer_wire_pieces, split_frames,
 )
 from pdserve.kvtransfer.layout import KVBlocks
 from pdserve.kvtransfer.receiver import Assembly, Receiver
-from pdserve.natsserver import settle
 
 log = logging.getLogger("pdserve.kvtransfer.nats")
 

@@ -53,6 +53,7 @@ works), "objstore" (the JetStream object store, the offload tier). See `kvtransf
 """
 from __future__ import annotations
 
+import asyncio
 import string
 import time
 from typing import Literal
@@ -507,3 +508,22 @@ class DraftReport(Message):
     request_id: str
     tenant: str
     token_ids: list[int]
+
+
+async def settle(nc, timeout: float = 10.0) -> None:
+    """Return once the server has processed everything `nc` sent or queued before the call — a subscription
+    made just before, above all — so that a message another connection sends next finds it.
+
+    `nc.flush()` alone does not promise that in nats-py (2.16): `subscribe` leaves its SUB in the client's
+    pending buffer for the flusher task, and `flush` writes its PING straight to the socket, ahead of it.
+    The server answers the PING first; where it reads the SUB in a later read (a loaded machine), the PONG
+    can come back before the subscription exists, and a report or request sent by another connection then
+    is lost or answered "no responders". So: first have the flusher write the pending buffer (and wait for
+    it), then one round trip, whose PING now follows the SUB."""
+    flush_pending = getattr(nc, "_flush_pending", None)
+    if flush_pending is not None:
+        try:
+            await asyncio.wait_for(flush_pending(force_flush=True), timeout)
+        except TypeError:  # another client version's signature: the round trips below still order it
+            await nc.flush(timeout)
+    await nc.flush(timeout)

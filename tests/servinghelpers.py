@@ -79,7 +79,7 @@ class NatsWatch:
     async def _main(self, creds, subjects) -> None:
         import nats
 
-        from pdserve.natsserver import settle
+        from pdserve.kvtransfer.protocol import settle
 
         self._stop = asyncio.Event()
         try:

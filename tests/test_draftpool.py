@@ -119,7 +119,7 @@ async def _report_and_wait(pool: DraftPool, drafter: PoolDrafter, rid: str, toke
 
     The request proposes nothing (k = 0), so it never asks the pool: were an ask to find no responder, the
     back-off it earns would skip the ask the test is about. (The pool's start settles its subscriptions —
-    `natsserver.settle` — since a report sent after a bare flush was once lost in CI, and this wait hung.)"""
+    `protocol.settle` — since a report sent after a bare flush was once lost in CI, and this wait hung.)"""
     pool.indexed.clear()
     await drafter.propose(rid, tokens, 0)
     drafter.release(rid)

@@ -15,10 +15,10 @@ from pdserve.basetypes import KVLayout, SamplingParams
 from pdserve.kvtransfer.channel import KVReceiveChannel, KVSendChannel
 from pdserve.kvtransfer.natsdata import ensure_bucket
 from pdserve.kvtransfer.protocol import (
-    Buckets, HandoffOffer, LoadReport, Subjects, inbox_prefix, observer_permissions, permissions,
+    Buckets, HandoffOffer, LoadReport, Subjects, inbox_prefix, observer_permissions, permissions, settle,
 )
 from pdserve.kvtransfer.tcp_server import KVReceiver
-from pdserve.natsserver import EmbeddedNats, NatsUser, ServerTls, settle
+from pdserve.natsserver import EmbeddedNats, NatsUser, ServerTls
 
 A, B = "ns-a.llama", "ns-b.llama"
 LAYOUT = KVLayout(model_fingerprint="f00d", num_layers=3, kv_heads=2, head_dim=8, dtype="float32", block_size=4)

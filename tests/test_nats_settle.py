@@ -1,4 +1,4 @@
-"""`natsserver.settle`: once it returns, the server holds the subscription made just before, so a message
+"""`protocol.settle`: once it returns, the server holds the subscription made just before, so a message
 another connection sends at once is delivered — the promise the draft pool's start and a KV transfer's
 receiver make to their peers.
 
@@ -15,7 +15,7 @@ import asyncio
 
 import nats
 
-from pdserve.natsserver import settle
+from pdserve.kvtransfer.protocol import settle
 
 HOLD_S = 0.2
 

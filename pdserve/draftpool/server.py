@@ -25,8 +25,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from pdserve.config import DraftPoolConfig, load
 from pdserve.draftpool.index import SuffixIndex
-from pdserve.kvtransfer.protocol import DraftReply, DraftReport, DraftRequest, LoadReport, ProtocolError, Subjects
-from pdserve.natsserver import NatsCredentials, close_connection, settle
+from pdserve.kvtransfer.protocol import (
+    DraftReply, DraftReport, DraftRequest, LoadReport, ProtocolError, Subjects, settle,
+)
+from pdserve.natsserver import NatsCredentials, close_connection
 from pdserve.workerbase import heartbeat, setup_logging
 
 log = logging.getLogger("pdserve.draftpool")
