@@ -323,4 +323,3 @@ class EmbeddedNats:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
