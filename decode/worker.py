@@ -634,9 +634,8 @@ class DecodeWorker(WorkerBase):
         if first is not None and not await self._first_token(offer, first):
             return []
         if offer.sampling.guided is not None:  # compiled once per grammar, off the event loop
-            vocab = await asyncio.to_thread(GrammarVocab.of, self.runner.tokenizer, self.runner.vocab_size,
-                                            self.runner.eos_token_ids)
-            await asyncio.to_thread(vocab.compile, offer.sampling.guided)
+            await asyncio.to_thread(GrammarVocab.compiled, self.runner.tokenizer, self.runner.vocab_size,
+                                    self.runner.eos_token_ids, offer.sampling.guided)
         seqs = self._sequences(offer)
         return [] if all(s.stream.done for s in seqs) else seqs
 

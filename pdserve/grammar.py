@@ -141,6 +141,12 @@ class GrammarVocab:
                 cls._cache[key] = cls(tokenizer, vocab, key[2])
             return cls._cache[key]
 
+    @classmethod
+    def compiled(cls, tokenizer, vocab: int, stop_ids, spec: Guided):
+        """`spec` compiled against the tokenizer's vocabulary (both cached): what a worker runs off its event loop
+        as a request arrives, so the step that first masks for it finds the grammar ready."""
+        return cls.of(tokenizer, vocab, stop_ids).compile(spec)
+
     def compile(self, spec: Guided):
         """The compiled grammar of `spec` (cached); GrammarError when it cannot be compiled."""
         with self._lock:

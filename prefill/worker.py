@@ -316,9 +316,8 @@ class PrefillWorker(WorkerBase):
         """Compile the request's grammar off the compute thread (a new JSON schema takes as long as many model
         steps), so the first token's mask (`_choose_first`) finds it cached instead of stalling every prompt's step."""
         try:
-            vocab = await asyncio.to_thread(GrammarVocab.of, self.runner.tokenizer, self.runner.vocab_size,
-                                            self.runner.eos_token_ids)
-            await asyncio.to_thread(vocab.compile, req.sampling.guided)
+            await asyncio.to_thread(GrammarVocab.compiled, self.runner.tokenizer, self.runner.vocab_size,
+                                    self.runner.eos_token_ids, req.sampling.guided)
         except GrammarError as e:  # the front checked it; the first token's sampling reports it again
             log.warning("request %s: its grammar does not compile: %s", req.request_id, e)
 
