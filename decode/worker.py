@@ -1083,24 +1083,22 @@ class DecodeWorker(WorkerBase):
     async def _commit(self, s: Sequence, draft, tokens: list[int], step_seconds: float,
                       logprobs: list[dict] | None = None) -> None:
         rid = s.key
-        if draft and draft.forced:
+        if draft:
             kd, acc = len(draft.token_ids), len(tokens) - 1
             s.draft_tokens += kd
             s.accepted_tokens += acc
-            s.forced_draft_tokens += kd
-            s.forced_accepted_tokens += acc
-            self.m_forced_draft.inc(kd)
-            self.m_forced_accepted.inc(acc)
-        elif draft:
-            kd, acc = len(draft.token_ids), len(tokens) - 1
-            span = s.span.kind
-            self.controller.observe_step(rid, span, kd, acc)
-            self.drafter.feedback(rid, acc, tokens)
-            s.draft_tokens += kd
-            s.accepted_tokens += acc
-            self.m_spec_draft.labels(span.value).inc(kd)
-            self.m_spec_accepted.labels(span.value).inc(acc)
-            self.m_spec_rate.observe(acc / kd)
+            if draft.forced:  # the grammar's, not the drafter's: neither it nor the controller learns from them
+                s.forced_draft_tokens += kd
+                s.forced_accepted_tokens += acc
+                self.m_forced_draft.inc(kd)
+                self.m_forced_accepted.inc(acc)
+            else:
+                span = s.span.kind
+                self.controller.observe_step(rid, span, kd, acc)
+                self.drafter.feedback(rid, acc, tokens)
+                self.m_spec_draft.labels(span.value).inc(kd)
+                self.m_spec_accepted.labels(span.value).inc(acc)
+                self.m_spec_rate.observe(acc / kd)
         self._recent_itl.append(step_seconds / len(tokens))
         committed, text = [], []
         for token in tokens:
