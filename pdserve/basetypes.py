@@ -21,6 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_STOP_STRINGS = 8
 MAX_CHOICES = 16  # `n`: choices of one request, all sharing the prompt's KV
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default `max_logprobs`
+# A temperature below this samples as greedy (vLLM's `_SAMPLING_EPS`): logits divided by less overflow float32,
+# and a distribution that sharp is the argmax anyway.
+GREEDY_BELOW = 1e-5
 
 
 ToolCallFormat = Literal["hermes", "llama3_json", "mistral", "json"]  # tool-call formats (`front.toolcalls`)
@@ -43,7 +46,7 @@ class Guided(BaseModel):
 class SamplingParams(BaseModel):
     """What a request asks of generation. Validated at the edge (the front) and again by workers.
 
-    `temperature == 0` is greedy; `top_k == 0`, `top_p == 1` and `min_p == 0` turn those filters
+    `temperature == 0` is greedy (one below `GREEDY_BELOW` is made 0, as vLLM does); `top_k == 0`, `top_p == 1` and `min_p == 0` turn those filters
     off. The order of processing is vLLM's: the raw logits get the history-dependent processors
     (`min_tokens`, the grammar's mask (`guided`), then the repetition, frequency and presence
     penalties — `pdserve.processors`); greedy takes their argmax; sampling goes on with
@@ -90,6 +93,8 @@ class SamplingParams(BaseModel):
     def _min_within_max(self) -> "SamplingParams":
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         return self
 
     @property

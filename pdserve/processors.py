@@ -17,7 +17,10 @@ What is applied, in vLLM's order, to the raw logits (float32) of a position:
 3. `repetition_penalty` r on every token of the prompt or the output: a logit x becomes x / r if
    x > 0, else x * r (transformers' `RepetitionPenaltyLogitsProcessor`); then
    `frequency_penalty` f and `presence_penalty` p on output tokens: x - f * count - p * (count > 0)
-   (OpenAI's definition, as vLLM applies it).
+   (OpenAI's definition, as vLLM applies it). A penalty that would take a logit past float32 — r as small
+   as 5e-324, which float32 rounds to 0, so x / r is inf and a cut token's -inf * r is NaN — is bounded
+   instead: r is at least float32's smallest normal, and a logit at most `LOGIT_CEILING`, which any
+   temperature sampling keeps (`GREEDY_BELOW`) still divides finitely. A cut token stays cut.
 
 Greedy takes the argmax of the result; sampling continues with temperature, min-p, top-k, top-p
 (`pdserve.kernels.spec_verify.process_logits`).
@@ -29,8 +32,12 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.basetypes import SamplingParams
+from pdserve.basetypes import GREEDY_BELOW, SamplingParams
 from pdserve.grammar import GrammarState, GrammarVocab, apply_masks
+
+
+_F32 = torch.finfo(torch.float32)
+LOGIT_CEILING = _F32.max * GREEDY_BELOW / 2  # a processed logit's bound: divided by any sampled temperature, finite
 
 
 class SequenceProcessor:
@@ -106,13 +113,14 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tens
     or output), counts `[n, V]` float (output occurrences) → `[n, V]`."""
     r = params.repetition_penalty
     if r != 1.0:
+        r = max(r, _F32.tiny)  # float32 rounds a smaller r to 0 (x / 0 = inf, -inf * 0 = NaN)
         penalised = torch.where(logits > 0, logits / r, logits * r)
         logits = torch.where(seen, penalised, logits)
     if params.frequency_penalty:
         logits = logits - params.frequency_penalty * counts
     if params.presence_penalty:
         logits = logits - params.presence_penalty * (counts > 0).float()
-    return logits
+    return logits.clamp(max=LOGIT_CEILING)  # -inf (a cut token) stays
 
 
 def make_processor(params: SamplingParams, prompt_ids: list[int], generated: list[int], vocab: int, tokenizer,

@@ -114,3 +114,37 @@ def test_json_mask_per_row_and_min_tokens_yield_to_a_closed_object(model_dir):
     # the matcher is where the committed tokens left it: masking the drafts' rows moved nothing
     again = p.process(x[:1])
     assert torch.equal(again[0].isfinite(), rows[0].isfinite())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-300, 1e-6, 1e-5, 0.7, 100.0])
+@pytest.mark.parametrize("penalties", [dict(repetition_penalty=5e-324), dict(repetition_penalty=1e-45),
+                                       dict(repetition_penalty=1e-30, frequency_penalty=2.0),
+                                       dict(repetition_penalty=100.0, presence_penalty=-2.0),
+                                       dict(frequency_penalty=-2.0, min_tokens=2)])
+def test_a_penalty_past_float32_never_picks_a_cut_token(model_dir, penalties, temperature):
+    """A repetition penalty float32 rounds to 0 made x / r inf and a cut token's -inf * r NaN, and the sampler
+    then chose token 0 against the grammar (schemathesis found it: `guided_choice: [""]` with
+    `repetition_penalty: 5e-324` was a 503). Whatever the penalty and temperature, the processed logits hold no
+    NaN, every token the grammar or min_tokens cuts stays cut, and greedy and sampled picks are allowed ones."""
+    from transformers import AutoTokenizer
+
+    from pdserve.front.guided import _choice_spec
+    from pdserve.sampling import sample_next
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    vocab = len(tok)
+    prompt = tok.encode("yes or no? yes", add_special_tokens=False)
+    for choices in ([""], ["yes", "no"]):
+        params = SamplingParams(guided=_choice_spec(choices), temperature=temperature, max_tokens=4, seed=3,
+                                **penalties)
+        assert params.temperature == (0.0 if temperature < 1e-5 else temperature)
+        p = make_processor(params, prompt, [], vocab, tok, {2})
+        x = torch.randn(1, vocab, generator=torch.Generator().manual_seed(9)) * 8
+        x[0, prompt] = 30.0  # the prompt's tokens, penalised, are the likeliest
+        rows = p.process(x)
+        assert not rows.isnan().any()
+        allowed = set(rows[0].isfinite().nonzero().flatten().tolist())
+        if choices == [""]:
+            assert allowed == {2}
+        for position in range(4):
+            assert sample_next(rows[0], params, position, 3) in allowed

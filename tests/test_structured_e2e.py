@@ -142,6 +142,19 @@ def test_vllm_guided_fields(client, extra, check):
     assert check(out.choices[0].message.content), out.choices[0].message.content
 
 
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_a_penalty_float32_cannot_hold_keeps_the_grammar(cluster, temperature):
+    """schemathesis' find: `repetition_penalty: 5e-324` (float32's 0) turned the cut tokens' logits NaN, prefill
+    picked a token the grammar refuses and decode refused it: a 503. Now the grammar holds: only EOS for
+    `[""]`, a listed answer for two choices."""
+    for choices, ok in (([""], ("",)), (["yes", "no"], ("yes", "no"))):
+        status, out = post(cluster.url + "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": "yes or no?"}], "guided_choice": choices,
+            "repetition_penalty": 5e-324, "frequency_penalty": 2.0, "temperature": temperature, "max_tokens": 4})
+        assert status == 200, out
+        assert out["choices"][0]["message"]["content"] in ok and out["choices"][0]["finish_reason"] == "stop", out
+
+
 BAD = [
     ({"response_format": _schema_format({"type": "frobnicate"})}, "response_format.json_schema.schema",
      "Unsupported type"),
