@@ -53,7 +53,7 @@ from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
 from pdserve.kernels.spec_verify import verify, verify_greedy
 from pdserve.kvtransfer.channel import KVReceiveChannel
 from pdserve.kvtransfer.frames import TransferError
-from pdserve.grammar import GrammarVocab
+from pdserve.grammar import GrammarDeadEnd, GrammarVocab
 from pdserve.kvtransfer.protocol import (
     DECODE_QUEUE_GROUP, Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
 )
@@ -1072,6 +1072,10 @@ class DecodeWorker(WorkerBase):
                                      len(batch))
                 try:
                     await self._commit(s, d, tokens, dt, logprobs)
+                except GrammarDeadEnd as e:  # the request's grammar, not a fault here: its 400, the loop goes on
+                    if self.running.pop(s.key, None) is not None:
+                        self._release(s)
+                        await self._emit(s, kind="error", error=str(e), error_type="invalid_request_error", status=400)
                 except Exception as e:  # one request's bug must not stop the loop for everyone
                     with logs.request(s.request_id):
                         log.exception("committing tokens of %s failed", s.key)

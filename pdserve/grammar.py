@@ -43,6 +43,16 @@ class GrammarError(ValueError):
     """A grammar that cannot be used: unsupported, malformed, or one the output left."""
 
 
+class GrammarDeadEnd(GrammarError):
+    """The grammar allows no token from here: what it requires next is nothing the vocabulary can spell (a
+    regex's character the tokenizer cannot encode that way). The request's constraint, not a fault of the
+    worker's: the request ends with a 400 naming it, the tokens before it stay generated."""
+
+    def __init__(self, generated: int):
+        super().__init__(f"the output's grammar allows no token after {generated} generated tokens: none of the "
+                         f"model's tokens continues it (it requires text this tokenizer cannot spell)")
+
+
 def _xgr():
     import xgrammar
 
@@ -190,6 +200,14 @@ class GrammarState:
         self.vocab = vocab
         self.matcher = xgr.GrammarMatcher(vocab.compile(spec))
         self._row = xgr.allocate_token_bitmask(1, vocab.vocab)
+        self.accepted = 0  # tokens committed
+
+    def dead_end(self) -> bool:
+        """Nothing may follow (not even an end token): the grammar requires what no token spells."""
+        if self.matcher.is_terminated():
+            return False
+        self.matcher.fill_next_token_bitmask(self._row, 0)
+        return _popcount(self._row) == 0
 
     @property
     def done(self) -> bool:
@@ -197,13 +215,17 @@ class GrammarState:
         return self.matcher.is_completed() or self.matcher.is_terminated()
 
     def advance(self, tokens: list[int]) -> None:
-        """Commit generated tokens. A token the grammar refuses is a GrammarError (the masks never
-        allow one, so it means the sequence was sampled elsewhere without them)."""
+        """Commit generated tokens. A token the grammar refuses is a GrammarDeadEnd where the grammar allowed
+        nothing there (a row with every token cut gives some token), else a GrammarError (the masks never allow
+        one, so it means the sequence was sampled elsewhere without them)."""
         for t in tokens:
             if self.matcher.is_terminated():
                 return  # an end token was accepted; what follows (ignore_eos) is outside the grammar
             if not self.matcher.accept_token(t):
+                if self.dead_end():
+                    raise GrammarDeadEnd(self.accepted)
                 raise GrammarError(f"token {t} does not continue the output's grammar")
+            self.accepted += 1
 
     def masks(self, drafts: list[int], n: int) -> torch.Tensor:
         """Bitmasks `[n, words]` int32: row j allows what may follow drafts[:j]. Rows after a draft the

@@ -69,7 +69,7 @@ from pdserve.kvtransfer.protocol import (
     Buckets, StreamEvent, Subjects, Usage,
 )
 from pdserve.kvtransfer.shm import SENDER_MAPS
-from pdserve.grammar import GrammarError, GrammarVocab
+from pdserve.grammar import GrammarDeadEnd, GrammarError, GrammarVocab
 from pdserve.processors import make_processor, token_logprobs
 from pdserve.sampling import TextStream, sample_next
 from pdserve.workerbase import WorkerBase, run_worker
@@ -567,15 +567,18 @@ class PrefillWorker(WorkerBase):
             self.lease.release()
             self.m_lease.inc()
 
-    def _choose_first(self, req: PrefillRequest, logits) -> tuple[int, list[dict] | None] | None:
+    def _choose_first(self, req: PrefillRequest, logits) -> tuple[int, list[dict] | None] | GrammarDeadEnd | None:
         """The first generated token of a request and its logprobs (compute thread), from the raw
         logits `[vocab]` of its prompt's last position; None with n > 1: decode then starts every
-        choice from the shared prompt KV, one batched step for all."""
+        choice from the shared prompt KV, one batched step for all; GrammarDeadEnd when its grammar allows no
+        first token."""
         params = req.sampling
         if params.n > 1:
             return None
         proc = make_processor(params, req.prompt_token_ids, [], logits.shape[-1], self.runner.tokenizer,
                               self.runner.eos_token_ids)
+        if proc is not None and proc.grammar is not None and proc.grammar.dead_end():
+            return GrammarDeadEnd(0)  # this request's answer (a 400), not the step's failure
         token = sample_next(proc.process(logits[None])[0] if proc else logits, params, 0, req.seed)
         lps = token_logprobs(logits[None], [token], params.logprobs) if params.logprobs is not None else None
         return token, lps
@@ -825,6 +828,11 @@ class PrefillWorker(WorkerBase):
                 await self._handoff(req, kv, [], spans)
                 if self.prefix_store is not None:
                     await self._offload(job, kv)
+                return
+            if isinstance(choice, GrammarDeadEnd):
+                await self._fail(req, 0, str(choice), status=400, error_type="invalid_request_error")
+                if job.stream is not None:  # decode saw the error on the stream; let the transfer end
+                    await self._finish_stream(job)
                 return
             first, logprobs = choice
             stream = TextStream(self.runner.tokenizer, req.sampling, self.runner.eos_token_ids)

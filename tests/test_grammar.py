@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.basetypes import Guided, SamplingParams
-from pdserve.grammar import GrammarError, GrammarState, GrammarVocab, apply_masks, check
+from pdserve.grammar import GrammarDeadEnd, GrammarError, GrammarState, GrammarVocab, apply_masks, check
 from pdserve.processors import make_processor
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -130,3 +130,23 @@ def test_json_object_bounds_whitespace_as_json_mode_did(tok):
     space = tok.encode(" ", add_special_tokens=False)
     p.advance(tok.encode("{", add_special_tokens=False) + space * 40)
     assert not torch.isfinite(p.process(torch.zeros(1, V))[0, space[0]])  # a 41st space is refused
+
+
+def test_a_grammar_no_token_can_continue_is_a_dead_end_not_a_refused_token(tok, vocab):
+    """SmolLM2's byte-level vocabulary has no token for the byte 0xF1, so U+50000 (F1 90 80 80) cannot be spelled
+    and a regex requiring it has a dead end right after 'H'. A token committed there is `GrammarDeadEnd` (the
+    request's constraint, a 400); a token refused where others were allowed stays a plain GrammarError (a bug)."""
+    assert tok.convert_ids_to_tokens(tok.encode("\U00050000", add_special_tokens=False))[0] != "ñ"  # 0xF1 is lost
+    h = tok.encode("H", add_special_tokens=False)
+    state = GrammarState(vocab, Guided(kind="regex", value="H\U00050000"))
+    assert not state.dead_end()
+    with pytest.raises(GrammarDeadEnd, match="after 1 generated tokens"):
+        state.advance([*h, 0])
+    assert state.dead_end() and state.accepted == 1
+    alive = GrammarState(vocab, Guided(kind="regex", value="H\U00030000"))  # F0 B0 80 80: spelled
+    alive.advance(h)
+    assert not alive.dead_end()
+    with pytest.raises(GrammarError) as refused:
+        alive.advance([0])
+    assert not isinstance(refused.value, GrammarDeadEnd)
+    assert GrammarState(vocab, Guided(kind="regex", value="\U00050000")).dead_end()  # dead from the first token

@@ -155,6 +155,21 @@ def test_a_penalty_float32_cannot_hold_keeps_the_grammar(cluster, temperature):
         assert out["choices"][0]["message"]["content"] in ok and out["choices"][0]["finish_reason"] == "stop", out
 
 
+@pytest.mark.parametrize("regex,where", [("\U00050000", "prefill's first token"), ("H\U00050000", "a decode step")])
+def test_a_grammar_the_vocabulary_cannot_spell_is_a_400_and_the_workers_go_on(cluster, regex, where):
+    """SmolLM2's vocabulary cannot spell U+50000 (it has no token for the byte 0xF1): the grammar has a dead end,
+    at the first token (prefill) or after 'H' (decode). Every token is cut there; a sampler picked token 0 and the
+    worker refused it as a 500/503 (schemathesis found it). Now it is the request's 400, naming why, and the next
+    request is served."""
+    status, out = post(cluster.url + "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Say H."}], "guided_regex": regex, "max_tokens": 8})
+    assert status == 400, (where, out)
+    assert out["error"]["type"] == "invalid_request_error" and "allows no token" in out["error"]["message"], out
+    status, out = post(cluster.url + "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Say H."}], "guided_regex": "H[a-z]", "max_tokens": 8})
+    assert status == 200 and len(out["choices"][0]["message"]["content"]) == 2, out
+
+
 BAD = [
     ({"response_format": _schema_format({"type": "frobnicate"})}, "response_format.json_schema.schema",
      "Unsupported type"),
