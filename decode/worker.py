@@ -47,7 +47,9 @@ from prometheus_client import Counter, Gauge, Histogram
 from pdserve.basetypes import LayoutMismatch
 from pdserve.config import DecodeConfig
 from pdserve.cpulease import CpuLease
+from pdserve.decode import scheduler
 from pdserve.decode.drafters import Draft, make_drafter
+from pdserve.decode.scheduler import next_batch
 from pdserve.decode.speculation import LatencyModel, SpanTracker, SpeculationController
 from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
 from pdserve.kernels.spec_verify import verify, verify_greedy
@@ -65,9 +67,6 @@ from pdserve import logs, tracing
 
 log = logging.getLogger("pdserve.decode")
 OFFER_DRAIN_S = 2.0  # at most this long to answer the offers NATS had already sent when leaving a subject
-# An uncomputed prompt's chunk when no sequence is running: nobody's step waits on it, so it is prefill's
-# chunk size, which computes a prompt at full speed.
-IDLE_PREFILL_CHUNK = 256
 LOCAL_CHUNK_NATIVE = 256  # --local-prefill-chunk's default on the native CPU decoder
 LOCAL_CHUNK_DEFAULT = 64  # … elsewhere
 # Grammar-forced drafts: at most this many a step, taken by the speculation policy as accepted with this
@@ -139,18 +138,6 @@ class Sequence:
         return self.generated[-1] if self.generated else self.offer.prompt_token_ids[-1]
 
 
-def next_batch(running: "OrderedDict[str, Sequence]", max_batch: int) -> list[Sequence]:
-    """The sequences of the next step: the first `max_batch` in turn order, which then go to the back.
-
-    Round robin over the running set (admissions join at the back): with R sequences running, none
-    waits more than ceil(R / max_batch) - 1 steps between two of its turns.
-    """
-    batch = list(running.values())[:max_batch]
-    for s in batch:
-        running.move_to_end(s.key)
-    return batch
-
-
 class DecodeWorker(WorkerBase):
     role = "decode"
     settings = DecodeConfig
@@ -191,6 +178,7 @@ class DecodeWorker(WorkerBase):
                                         prefix_cache=False, small_step_weights=args.cpu_weight_layouts)
         except EngineUnavailable as e:
             raise SystemExit(str(e)) from None
+        self.pool = scheduler.Pool(self.engine.can_admit, self.engine.layout.block_size)  # what scheduling asks of it
         # An uncomputed prompt's chunk beside running sequences: where steps run the native CPU decoder a chunk
         # rides in the same forward at the projections' full rate, and a larger one amortises the step's read of
         # the weights over more prompt tokens (SmolLM2 bf16, 2 Zen 4 cores, guidellm concurrency 16: 137 output
@@ -399,13 +387,13 @@ class DecodeWorker(WorkerBase):
         self._receiving_offers[offer.request_id] = offer  # reserved now: a duplicate during the awaits below is refused
         accepted = False
         try:
-            if len(self.running) + len(self.prefilling) + self.receiving + offer.sampling.n - 1 >= self.max_running:
-                await msg.respond(refuse(f"at capacity ({self.max_running} sequences)").encode())
-                return
             queued = self._local_queued(but=offer.request_id)
-            if self.preempted or not self.engine.can_admit(offer.num_tokens + self.receiving_tokens + queued):
-                await msg.respond(refuse(f"no KV capacity for {offer.num_tokens} tokens "
-                                         f"(utilisation {self.engine.utilization():.0%})").encode())
+            load = scheduler.Load(running=len(self.running), prefilling=len(self.prefilling), receiving=self.receiving,
+                                  receiving_tokens=self.receiving_tokens, queued_tokens=queued,
+                                  preempted=len(self.preempted), kv_utilization=self.engine.utilization())
+            if why := scheduler.offer_refusal(tokens=offer.num_tokens, choices=offer.sampling.n, load=load,
+                                              max_running=self.max_running, pool=self.pool):
+                await msg.respond(refuse(why).encode())
                 return
             if offer.kv_deferred:
                 try:  # a prompt of another model's shape: a deployment mistake, worth its warning
@@ -413,7 +401,11 @@ class DecodeWorker(WorkerBase):
                 except LayoutMismatch as e:
                     await msg.respond(refuse(str(e)).encode())
                     return
-                if why := self._local_refusal(offer, queued):
+                if why := scheduler.local_refusal(
+                        prompt_tokens=len(offer.prompt_token_ids), choices=offer.sampling.n,
+                        offered_tokens=offer.num_tokens, queue_ahead_tokens=offer.queue_ahead_tokens,
+                        queued_tokens=queued, running=len(self.running), max_batch=self.max_batch,
+                        local_chunk=self.local_chunk):
                     # routine: prefill offers its queue's prompts (again once per step) and keeps what decode
                     # would not compute sooner; the refusals are counted, not worth a warning each
                     await msg.respond(refuse(why, logging.DEBUG).encode())
@@ -476,19 +468,6 @@ class DecodeWorker(WorkerBase):
         queued included (all but request `but`'s)."""
         todo = sum(len(s.offer.prompt_token_ids) - s.prefilled for s in self.prefilling.values())
         return todo + sum(o.num_tokens for rid, o in self._receiving_offers.items() if o.kv_deferred and rid != but)
-
-    def _local_refusal(self, offer: HandoffOffer, queued: int) -> str | None:
-        """Why an uncomputed prompt is not taken here (it then stays with prefill), or None."""
-        if not self.local_chunk:
-            return "this worker takes no uncomputed prompts (--local-prefill-chunk 0)"
-        if offer.sampling.n != 1 or len(offer.prompt_token_ids) < 2:
-            return "an uncomputed prompt must have n = 1 and 2 or more tokens"
-        if len(self.running) >= self.max_batch:
-            return f"its steps are full ({len(self.running)} sequences running)"
-        if queued + offer.num_tokens > offer.queue_ahead_tokens:
-            return (f"its queue of uncomputed prompts ({queued} tokens) is no shorter than prefill's "
-                    f"({offer.queue_ahead_tokens} tokens)")
-        return None
 
     async def _take_prompt(self, offer: HandoffOffer) -> None:
         """An uncomputed prompt just accepted: say on its stream that this worker now answers for it, and
@@ -607,6 +586,7 @@ class DecodeWorker(WorkerBase):
             self.receiving -= 1
             self.receiving_tokens -= offer.num_tokens
             self._receiving_offers.pop(rid, None)
+            self._wake.set()  # admitted, or failed: either changes what the loop can do
         if rid in self._cancelled:
             self._cancelled.discard(rid)
             for s in seqs:
@@ -720,6 +700,7 @@ class DecodeWorker(WorkerBase):
 
     def _release(self, s: Sequence) -> None:
         self._chunk_blocked = False  # blocks given back: an uncomputed prompt's chunk may fit again
+        self._wake.set()  # … and a loop waiting for room looks again
         self.drafter.release(s.key)
         self.controller.release(s.key)
         if s.key in self.engine:  # a preempted sequence gave its blocks back already
@@ -742,8 +723,8 @@ class DecodeWorker(WorkerBase):
     async def _plan(self, s: Sequence):
         """Choose this step's k for `s` and draft that many tokens; None for a plain step."""
         rid = s.key
-        room = min(s.offer.sampling.max_tokens - len(s.generated) - 1,
-                   self.runner.max_context - len(s.offer.prompt_token_ids) - len(s.generated) - 1)
+        room = scheduler.draft_room(max_tokens=s.offer.sampling.max_tokens, generated=len(s.generated),
+                                    prompt_tokens=len(s.offer.prompt_token_ids), max_context=self.runner.max_context)
         if s.forced_drafts and room > 0:
             forced = s.processor.grammar.forced(min(FORCED_MAX_K, room))
             if forced:  # free to propose, and near-certain: verified like any draft, so exactness holds
@@ -809,12 +790,7 @@ class DecodeWorker(WorkerBase):
             local, tokens = chunk
             if local.key not in self.engine:
                 self.engine.start(local.key, local.offer.prompt_token_ids[:-1], reuse_prefix=False)
-            fed = sum(len(t) for _, t in rows)
-            fast = self.engine.native_rows()
-            if fed <= fast < fed + len(tokens):
-                # the step alone runs on the native decoder and with the chunk would not: on a CPU a mixed
-                # forward costs what the two cost apart, so the chunk goes on its own after (B=16 + 16
-                # prompt tokens, SmolLM2 bf16, Zen 4: 146 ms mixed, 53 + 37 ms apart)
+            if scheduler.chunk_runs_alone(sum(len(t) for _, t in rows), len(tokens), self.engine.native_rows()):
                 alone = (local.key, tokens)
             else:
                 rows.append((local.key, tokens))
@@ -880,24 +856,20 @@ class DecodeWorker(WorkerBase):
                             torch.tensor([p.top_p for p in sp]), u, noise, min_p=min_p, impl=self.verify_impl)
         return [out[i, : int(n_acc[i]) + 1].tolist() for i in range(B)]
 
-    def _room_to_resume(self, s: Sequence) -> bool:
-        """Whether `s` fits back with a block of growth for each sequence it would step with. Fitting its
-        context alone is not enough: the next step then runs out again and preempts it at once, and that
-        preempt-recompute loop repeats with no sequence ever advancing."""
-        return self.engine.can_admit(len(s.context) + self.engine.layout.block_size * len(self.running))
-
     async def _resume_preempted(self) -> None:
         """Bring preempted sequences back (recomputing their KV) once the pool has room; fail one that cannot
         fit even alone (its answer outgrew the whole pool)."""
-        while self.preempted and not self.running and not self.engine.can_admit(len(self.preempted[0].context)):
+        while self.preempted and (action := scheduler.resume_action(len(self.preempted[0].context), len(self.running),
+                                                                     self.pool)):
             s = self.preempted.popleft()
-            log.warning("%s needs more KV than the pool holds (%d tokens); failing it", s.key, len(s.context))
-            await self._emit(s, kind="error", status=503, error_type="unavailable",
-                             error=f"decode worker {self.worker_id}: the sequence outgrew its KV pool "
-                                   f"({len(s.context)} tokens); retry with a smaller max_tokens")
-            self._release(s)
-        while self.preempted and self._room_to_resume(self.preempted[0]):
-            s = self._resuming = self.preempted.popleft()
+            if action == "fail":
+                log.warning("%s needs more KV than the pool holds (%d tokens); failing it", s.key, len(s.context))
+                await self._emit(s, kind="error", status=503, error_type="unavailable",
+                                 error=f"decode worker {self.worker_id}: the sequence outgrew its KV pool "
+                                       f"({len(s.context)} tokens); retry with a smaller max_tokens")
+                self._release(s)
+                continue
+            self._resuming = s
             try:
                 await self.compute(self.engine.prefill, s.key, s.context[:-1])
             finally:
@@ -916,9 +888,8 @@ class DecodeWorker(WorkerBase):
             with logs.request(s.request_id):
                 log.info("resumed preempted %s (%d tokens recomputed)", s.key, len(s.context) - 1)
 
-    def _preempt(self, batch: list[Sequence]) -> None:
-        """Out of KV blocks: the most recently admitted sequence gives its blocks back and waits."""
-        victim = max(batch, key=lambda s: s.admitted)
+    def _preempt(self, victim: Sequence) -> None:
+        """Out of KV blocks (`scheduler.out_of_blocks` chose it): `victim` gives its blocks back and waits."""
         self.running.pop(victim.key, None)
         self.drafter.release(victim.key)
         self.engine.free(victim.key)
@@ -930,17 +901,16 @@ class DecodeWorker(WorkerBase):
         with logs.request(victim.request_id):
             log.warning("KV pool full: preempted %s (will recompute)", victim.key)
 
-    def _next_chunk(self, budget: int, rows: int) -> tuple[Sequence, list[int]] | None:
-        """The oldest uncomputed prompt's next `budget` tokens at most (all of its prompt but the last token,
-        which its first decode step feeds), if the pool has room for them beside `rows` growing sequences."""
-        if not self.prefilling or self._chunk_blocked:
+    def _next_chunk(self, rows: int) -> tuple[Sequence, list[int]] | None:
+        """The oldest uncomputed prompt's next chunk beside `rows` stepping sequences (`scheduler.chunk_tokens`),
+        if one joins the step."""
+        if not self.prefilling:
             return None
         s = next(iter(self.prefilling.values()))
         todo = s.offer.prompt_token_ids[s.prefilled : -1]
-        n = min(budget, len(todo))
-        if not self.engine.can_admit(n + self.engine.layout.block_size * (rows + 1)):
-            return None
-        return s, todo[:n]
+        n = scheduler.chunk_tokens(remaining=len(todo), rows=rows, local_chunk=self.local_chunk,
+                                   blocked=self._chunk_blocked, pool=self.pool)
+        return (s, todo[:n]) if n else None
 
     def _chunk_done(self, s: Sequence, n: int) -> None:
         """`n` more tokens of uncomputed prompt `s` are in the pool; once all are, it joins the running set."""
@@ -999,16 +969,16 @@ class DecodeWorker(WorkerBase):
                 batch = [s for i, s in enumerate(batch) if i not in cancelled]
                 drafts = [d for i, d in enumerate(drafts) if i not in cancelled]
                 self._stepping = {s.key for s in batch}
-            # an uncomputed prompt's chunk joins the step: small beside running sequences (their next token
-            # waits for it), prefill-sized when nothing runs
-            chunk = self._next_chunk(self.local_chunk if batch else IDLE_PREFILL_CHUNK, len(batch))
+            chunk = self._next_chunk(len(batch))
             if chunk is not None:
                 self._stepping.add(chunk[0].key)
             elif not batch:
-                if self.prefilling and not self.running and not self.receiving:
+                if scheduler.when_nothing_steps(prefilling=len(self.prefilling), running=len(self.running),
+                                                receiving=self.receiving) == "fail_prompt":
                     await self._fail_unplaceable_prompt()
-                else:  # a chunk waits for room that a KV arriving or a sequence ending brings
-                    await asyncio.sleep(0.01)
+                else:  # a chunk waits for room: a KV arriving, a sequence ending or a cancel sets the event
+                    self._wake.clear()
+                    await self._wake.wait()
                 continue
             t0 = time.perf_counter()
             if traced := bool(self._traces):  # a step of a traced request: its wait ends here
@@ -1024,12 +994,14 @@ class DecodeWorker(WorkerBase):
                 for s in batch:
                     if s.key not in self.running:  # cancelled while the step ran: its KV goes now
                         self._release(s)
-                if chunk is not None:  # the chunk did not fit: the step goes again without one
-                    if chunk[0].key not in self.prefilling:
-                        self._release(chunk[0])
+                if chunk is not None and chunk[0].key not in self.prefilling:  # cancelled while the step ran
+                    self._release(chunk[0])
+                live = [s for s in batch if s.key in self.running]
+                plan = scheduler.out_of_blocks(had_chunk=chunk is not None, live=[(s.key, s.admitted) for s in live])
+                if plan.block_chunk:  # the chunk did not fit: the step goes again without one
                     self._chunk_blocked = True
-                elif live := [s for s in batch if s.key in self.running]:
-                    self._preempt(live)
+                elif plan.preempt is not None:
+                    self._preempt(self.running[plan.preempt])
                 continue
             except Exception as e:
                 log.exception("decode step failed for %d sequences%s", len(batch), " and a prompt chunk" if chunk else "")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pdserve.decode.worker import next_batch
+from pdserve.decode.scheduler import next_batch
 
 
 @dataclass
