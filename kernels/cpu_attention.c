@@ -1,10 +1,10 @@
 /* Paged attention on the CPU: the contract of kernels/paged_attention.py, read in place from the pool.
  *
  * The torch reference gathers each sequence's K and V, converts them to float32 (two copies of the
- * whole context, per layer, per step), then runs 8-10 small ops; at batch 16 on a 2-core CPU that was
- * a third of a bfloat16 decode step. Here each key and value row is read once from its block, widened to
- * float32 in registers, and used for every query row of its KV head (GQA's group, and a verification's
- * k + 1 rows) while it is in cache.
+ * whole context, per layer, per step), then runs 8-10 small ops: a large share of a batched bfloat16
+ * decode step (docs/PERFORMANCE.md, "Decode attention"). Here each key and value row is read once from its
+ * block, widened to float32 in registers, and used for every query row of its KV head (GQA's group, and a
+ * verification's k + 1 rows) while it is in cache.
  *
  * Arithmetic, the same for every row count (so a k-row verification computes each row exactly as a
  * one-row step does): float32 scores q . k as 16 independent lanes summed in a fixed order, times the
@@ -87,8 +87,7 @@ static inline __attribute__((always_inline)) void load_vrow(__m512 *dst, const v
 
 /* The cache lines of a row of D elements at element offset `off`, asked for ahead of their use: a sequence's
  * blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block boundary and
- * a step's attention waited on memory (B=16 decode rows at 300 tokens, SmolLM2-135M: 2/3 of the score loop's
- * time on the K loads). */
+ * the score loop waits on the K loads (docs/PERFORMANCE.md, "Decode attention"). */
 static inline void prefetch_row(const void *kv, int bf16, int64_t off, int D) {
     const char *p = (const char *)kv + off * (bf16 ? 2 : 4);
     const int bytes = D * (bf16 ? 2 : 4);
@@ -306,8 +305,8 @@ static void score_rows_dp(const uint16_t *qb, int64_t ldq, const void *kv, int64
 #endif
 
 /* A score row's max and sum: 16 lanes, then the lanes reduced (a fixed order for a given length, so a row's
- * result never depends on the rows beside it). Summed one by one, a 256-token prompt's rows were a serial
- * chain of 20 million additions per forward (SmolLM2-135M), a fifth of its attention. */
+ * result never depends on the rows beside it). Summed one by one, a prompt's score rows are one serial chain
+ * of dependent additions, a sizeable share of its attention (docs/PERFORMANCE.md, "Prompt-chunk attention"). */
 static inline float row_max(const float *x, int n, float init) {
 #if defined(__AVX512F__)
     __m512 m = _mm512_set1_ps(init);
@@ -337,8 +336,8 @@ static inline float row_sum(const float *x, int n) {
 }
 
 /* The scores and sums buffers outlive a call, one each per thread, up to 32 MB: freed, a prompt chunk's scores
- * (hundreds of KB) goes back to the kernel, and the next layer's call faulted in and zeroed fresh pages for
- * it (a quarter of a 256-token native prefill's time went to clear_page). */
+ * (hundreds of KB) goes back to the kernel, and the next layer's call faults in and zeroes fresh pages for
+ * it, a large part of a native prefill's time (docs/PERFORMANCE.md, "Prompt-chunk attention"). */
 static __thread float *tl_scores, *tl_acc;
 static __thread size_t tl_scores_cap, tl_acc_cap;
 

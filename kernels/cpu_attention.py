@@ -2,8 +2,9 @@
 
 The torch reference (`paged_attention.paged_attention_reference`) gathers and widens every sequence's K
 and V before its matmuls: with a bfloat16 pool that is two copies of the whole context per layer per step,
-plus 8-10 small ops per sequence, which at batch 16 cost a third of a decode step on a 2-core CPU. The
-native kernel reads each key and value row once, in place, for all the query rows of its KV head.
+plus 8-10 small ops per sequence, a large share of a batched decode step (docs/PERFORMANCE.md, "Decode
+attention"). The native kernel reads each key and value row once, in place, for all the query rows of its
+KV head.
 
 It is compiled at first use with the machine's C compiler (`$CC`, else `cc`; `-O3 -march=native`, or the
 `-march` target in `$PDSERVE_NATIVE_MARCH`, such as x86-64-v3 for the AVX2 kernels on a CPU that has more; no
@@ -15,7 +16,8 @@ the reference too.
 
 Prompt chunks (more query rows than `paged_attention.NATIVE_MAX_ROWS`) in bfloat16 take a second kernel,
 `cpu_chunk_attention.c` (`chunk_attention_cpu`), where the CPU has AVX512-BF16: SDPA's CPU flash kernel,
-which the reference calls for them, ran a 256-token chunk at a fifth of the speed of the projections.
+which the reference calls for them, runs a chunk far below the projections' speed (docs/PERFORMANCE.md,
+"Prompt-chunk attention").
 """
 from __future__ import annotations
 
@@ -125,8 +127,8 @@ def chunk_attention_cpu(q: torch.Tensor, kv_pool: torch.Tensor, table: torch.Ten
     the pool, full attention (no window, soft cap or sinks) -> [n, q_heads, D] in q's dtype.
 
     One thread. The C call takes a range of its (KV head, query tile) items so that it could be split, but
-    split over two threads a 256-token chunk of SmolLM2 went from 0.70 ms a layer to 0.60 with OpenMP's
-    threads set passive and to 0.83 with them spinning (torch's, between its own ops)."""
+    a second thread gains little with OpenMP's threads set passive and loses with them spinning (torch's,
+    between its own ops) (docs/PERFORMANCE.md, "Prompt-chunk attention")."""
     n, q_heads, head_dim = q.shape
     num_blocks, _, kv_heads, block_size, _ = kv_pool.shape
     qc = q.contiguous()

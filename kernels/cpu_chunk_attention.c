@@ -1,12 +1,13 @@
 /* Causal attention of a prompt chunk over a bfloat16 paged pool, on the CPU, with AVX512-BF16.
  *
  * The torch path for a prompt chunk (`paged_attention_reference`: the sequence's K and V gathered and
- * widened to float32, then SDPA's CPU flash kernel) ran SmolLM2's 256-token prompt at ~40 GFLOP/s: a
- * quarter of its prefill time, while the projections run at ~360. Here, per KV head, the sequence's keys
- * are packed once for `vdpbf16ps` (16 keys x a pair of head dims per register), so a block of 4 query rows
- * x 32 keys is 8 accumulators fed by 2 key loads and 4 broadcasts per pair of dims; values are widened to
- * float32 once and the probabilities multiply them in float32 FMAs (no rounding of the probabilities to
- * bfloat16). Query tiles of 16 positions skip the key blocks causality hides from all of them.
+ * widened to float32, then SDPA's CPU flash kernel) runs a prompt's attention at a small fraction of the
+ * projections' speed, a large part of its prefill time (docs/PERFORMANCE.md, "Prompt-chunk attention").
+ * Here, per KV head, the sequence's keys are packed once for `vdpbf16ps` (16 keys x a pair of head dims per
+ * register), so a block of 4 query rows x 32 keys is 8 accumulators fed by 2 key loads and 4 broadcasts per
+ * pair of dims; values are widened to float32 once and the probabilities multiply them in float32 FMAs (no
+ * rounding of the probabilities to bfloat16). Query tiles of 16 positions skip the key blocks causality hides
+ * from all of them.
  *
  * Arithmetic: scores are exact products of the bfloat16 q and k summed in float32 in the decode kernel's
  * order (`score_rows`), times the scale; the causal mask; a float32 softmax (its sum in 16 lanes); the
@@ -200,7 +201,8 @@ static void chunk_tile(const bf16 *q, int64_t q_ld, float *out, int64_t out_ld, 
     for (int r0 = 0; r0 < rows; r0 += RB)
         score_block(qp + (size_t)r0 * D2, D2, kp, nkb, rows - r0 < RB ? rows - r0 : RB, scores + (size_t)r0 * ld, ld);
     /* the softmax of each row over its keys, 16 lanes at a time (the sum in 16 lanes, reduced in a fixed order):
-     * scalar, the scale-and-max and the sum were a third of a prompt's attention */
+     * scalar, the scale-and-max and the sum were a large part of a prompt's attention (docs/PERFORMANCE.md,
+     * "Prompt-chunk attention") */
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int r = 0; r < rows; r++) {
         float *sc = scores + (size_t)r * ld;

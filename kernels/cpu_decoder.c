@@ -1,17 +1,18 @@
 /* One Llama-style decoder layer of a small bfloat16 step (decode, verification) in one native call.
  *
  * transformers runs a layer as some forty torch ops and their Python; at one to a few rows on a CPU that
- * costs more than the layer's matmuls (a SmolLM2-135M step: 48 ms, of which oneDNN's kernels ~19). Here a
- * layer is: norm, q/k/v projection (+ bias), rotary embedding, K/V written into the paged pool, attention
- * (decode rows: cpu_attention.c's paged kernel; a prompt chunk of more than 16 rows: cpu_chunk_attention.c's
- * tiles, both included), o projection, residual, norm, gate/up projection, SiLU * up, down projection,
- * residual. Every intermediate is rounded to bfloat16 where transformers' bfloat16 modules round it, so the
- * layer computes what theirs does up to the summation order of the matmuls and reductions.
+ * costs more than the layer's matmuls (docs/PERFORMANCE.md, "Native decoder layer"). Here a layer is: norm,
+ * q/k/v projection (+ bias), rotary embedding, K/V written into the paged pool, attention (decode rows:
+ * cpu_attention.c's paged kernel; a prompt chunk of more than 16 rows: cpu_chunk_attention.c's tiles, both
+ * included), o projection, residual, norm, gate/up projection, SiLU * up, down projection, residual. Every
+ * intermediate is rounded to bfloat16 where transformers' bfloat16 modules round it, so the layer computes
+ * what theirs does up to the summation order of the matmuls and reductions.
  *
  * A layer's phases split over the threads the process may use now (`run_items`, below): one on its own
  * core, two when the prefill worker borrows decode's idle core for a prompt or decode runs on prefill's
- * while it has none (pdserve.cpulease). A 256-token prompt of SmolLM2-135M (Xeon, AMX): 145 ms before on one
- * thread, when attention ran the decode kernel and the elementwise passes were scalar.
+ * while it has none (pdserve.cpulease). Prompts are why a chunk has an attention kernel of its own and the
+ * elementwise passes run 16 lanes: with the decode kernel and scalar passes, those two were a large part of a
+ * prompt's time (docs/PERFORMANCE.md, "Native decoder layer").
  *
  * Projections are GEMVs over weights packed for AVX512-BF16 (`pack`): groups of 32 outputs, each holding,
  * for every pair of inputs, the 32 outputs' two weights side by side, which `vdpbf16ps` multiplies with a
@@ -21,8 +22,9 @@
  * Where the CPU has AMX (Sapphire Rapids and later) and the kernel grants this process its tile state, the
  * same packed weights feed AMX tiles instead: each 32-input stretch of a group's rows is one 16 x 64-byte B
  * tile read with a 128-byte stride, so `tdpbf16ps` multiplies up to 16 rows by 32 outputs' weights per pair
- * of tile loads (a 16-row SmolLM2-135M step, Xeon with AMX: 78 ms on AVX512-BF16). A process uses one path
- * for every step, whatever its row count, so a sequence's logits never depend on what shares its batch.
+ * of tile loads, where the AVX512-BF16 GEMV is compute-bound past a few rows (docs/PERFORMANCE.md, "AMX"). A
+ * process uses one path for every step, whatever its row count, so a sequence's logits never depend on what
+ * shares its batch.
  */
 #define _GNU_SOURCE /* pthread_sigmask, clock_gettime, syscall under -std=c11 */
 #include "cpu_attention.c"

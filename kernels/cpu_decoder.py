@@ -1,11 +1,10 @@
 """The native decoder layers (`cpu_decoder.c`), bfloat16 and float32: their build, weight packing and GEMV.
 
 At one to a few rows a transformers decoder layer is some forty torch ops and their Python around
-matmuls that are themselves short: on a 2-core AMD EPYC, SmolLM2-135M's one-row step took 48 ms in the
-decode worker, of which oneDNN's matmul kernels ran ~19 (perf). `pdserve_llama_layer` runs a Llama-style
-layer's whole forward in C — norms, projections (AVX512-BF16 GEMVs over weights packed for them, `pack`; on a
-CPU without it, AVX2 + FMA GEMVs that widen the same packed weights in registers; or
-AMX tiles over the same packing where the CPU has them),
+matmuls that are themselves short, and the ops cost more than the matmuls (docs/PERFORMANCE.md, "Native
+decoder layer"). `pdserve_llama_layer` runs a Llama-style layer's whole forward in C — norms, projections
+(AVX512-BF16 GEMVs over weights packed for them, `pack`; on a CPU without it, AVX2 + FMA GEMVs that widen
+the same packed weights in registers; or AMX tiles over the same packing where the CPU has them),
 rotary embedding (the model's own cos/sin tables), the K/V write, paged attention, SiLU. `pdserve_llama_layer_f32`
 is the same layer for float32 models over float32 pools (AVX2 + FMA or AVX-512), reading the model's own weights
 in place. Which models it serves and how a step calls it: `pdserve.engine.native`. Built like the attention kernel
@@ -28,13 +27,11 @@ log = logging.getLogger("pdserve.kernels.cpu_decoder")
 
 SOURCE = Path(__file__).with_name("cpu_decoder.c")
 # Steps of more rows run transformers' forward. On AVX512-BF16 the packed GEMV runs at the core's bf16 peak from 16
-# rows up (Zen 4, one thread: ~230 GFLOP/s at 16-256 rows of SmolLM2's projections, oneDNN's matmul 140-218), so the
-# native layer stays cheaper through prompts too (a 256-token SmolLM2-135M prompt 288 ms against 352). On AMX
-# tiles the native layer stays cheaper than oneDNN's through prefill's whole default step (512 tokens,
-# `PrefillConfig.max_batch_tokens`) and past it (SmolLM2-135M, Xeon, one thread, prompts of 256 tokens over
-# 256 cached: two in one step 190 ms native against 279 through transformers, four 413 against 476; 64
-# decode rows 100 against 126). The layer splits over the threads the process may use (`set_threads`, and
-# a lender's: `set_lender`), so a prefill step on decode's lent core runs natively on both.
+# rows up, faster than oneDNN's matmul, so the native layer stays cheaper through prompts too. On AMX tiles the
+# native layer stays cheaper than oneDNN's through prefill's whole default step (512 tokens,
+# `PrefillConfig.max_batch_tokens`) and past it (docs/PERFORMANCE.md, "Native step size"). The layer splits over
+# the threads the process may use (`set_threads`, and a lender's: `set_lender`), so a prefill step on decode's
+# lent core runs natively on both.
 MAX_ROWS = 1024
 AMX_MAX_ROWS = 1024
 

@@ -3,8 +3,8 @@
  * A sampled token is the exponential race argmax(p / E) (`pdserve.sampling`, `kernels/spec_verify.py`): p the
  * processed distribution of the row, E i.i.d. Exp(1) noise that is a function of (seed, position) alone, so the
  * same token comes out whichever worker and whichever path (plain, speculative) draws that position. Made with
- * torch, the noise of one row of SmolLM2's 49152-token vocabulary took a seeded generator, 49152 uniforms and a
- * log; with the softmax before it, a 16-row decode step spent 15 ms of its ~35 sampling (2-core AMD EPYC).
+ * torch, the noise of one row takes a seeded generator, a uniform per vocabulary entry and a log; with the
+ * softmax before it, sampling was a large part of a batched decode step (docs/PERFORMANCE.md, "Sampling").
  *
  * The noise here is counter-based: E[i] = -log(1 - u), u the top 24 bits of splitmix64's output function applied
  * to key + (i + 1) * golden ratio, times 2^-24 (1 - u is exact in float32); key is the position's 64-bit key

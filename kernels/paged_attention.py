@@ -190,7 +190,8 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_tabl
         if n > 1 and softcap is None and sink_rows is None:
             # A prompt chunk or a verification: causal among the new tokens, which sit at the end of the
             # sequence. SDPA (its fused CPU kernel; GQA without copying K/V) instead of materialising
-            # scores: a 2,000-token prompt in 256-token chunks prefilled 1.6x slower than HF without it.
+            # scores, which made a long prompt's chunked prefill slower than HF's own forward
+            # (docs/PERFORMANCE.md, "Reference attention").
             qh = q[q0:q1].float().transpose(0, 1)[None]  # [1, q_heads, n, D]
             if n == keys and (window is None or window >= length):  # nothing but causality masks a key
                 o = F.scaled_dot_product_attention(qh, k[None], v[None], is_causal=True, scale=scale, enable_gqa=True)

@@ -37,7 +37,9 @@ if TYPE_CHECKING:
     from .kube import Kube
 
 USERS_JSON, USERS_CONF = "users.json", "users.conf"
-BCRYPT_ROUNDS = 11  # NATS checks the hash on every connect: about 0.1 s of one core here
+# bcrypt's cost for the users' password hashes: NATS checks the hash on every connect, so a cost that every
+# connect can afford (docs/PERFORMANCE.md, "NATS password hashing")
+BCRYPT_ROUNDS = 11
 CHART_USER = NatsUser(EnvRef("NATS_USER"), EnvRef("NATS_PASSWORD"), observer_permissions())
 
 _lock = threading.Lock()  # one writer of the Secret at a time (kopf runs handlers on a thread pool)

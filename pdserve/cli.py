@@ -26,9 +26,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 # The commands that hold a model's weights and KV cache in host memory. Their torch allocations of 2 MB and
 # more go on transparent huge pages (`THP_MEM_ALLOC_ENABLE`, read once by torch's CPU allocator, so set
 # before torch loads): a step reads every weight and every cached key and value once, scattered over
-# hundreds of MB, and on 4 KB pages a good part of that time went to TLB misses. SmolLM2-135M in bfloat16
-# on one core (`bench/native_decode.py`): a one-row step 14.7 -> 12.1 ms, 16 rows 43.8 -> 38.2 ms, a 256-token
-# prompt 303 -> 279 ms. Needs the kernel's THP `madvise` or `always` mode (the usual defaults); a user's
+# hundreds of MB, and on 4 KB pages a good part of that time goes to TLB misses (docs/PERFORMANCE.md,
+# "Huge pages"). Needs the kernel's THP `madvise` or `always` mode (the usual defaults); a user's
 # `THP_MEM_ALLOC_ENABLE=0` keeps 4 KB pages.
 HUGE_PAGE_COMMANDS = frozenset({"prefill", "decode", "bench"})
 

@@ -15,13 +15,13 @@ lease frees it; nothing else is shared. Between machines, or pods with their own
 nothing to lend: the lease is only for workers sharing cores (`pdserve up` pairs prefill-i with decode-i).
 
 The other way round, under load, prefill is the idle one: once the prompts of a burst are in, decode runs
-alone for as long as its longest output (at 16 concurrent requests here, prefill sat idle for ~45% of the
-run while decode was the bound). So prefill **lends** its cores while it has no prompt: it writes how many
-threads it has idle into the same file (`lend_idle`, an aligned 4-byte word at `IDLE_OFFSET`, shared by
-`mmap`), and zero the moment work arrives, before it computes. Decode's native layers read that word at
-every phase of every layer (`kernels/cpu_decoder.c`, `pdserve_native_lender`) and add those threads while
-it is non-zero: prefill never waits for its core, it takes it back within one work item of decode's (tens
-of microseconds) and a helper's spin (`SPIN_NS`).
+alone for as long as its longest output, and prefill's cores sit idle through much of a loaded run while
+decode is the bound (docs/PERFORMANCE.md, "CPU lease"). So prefill **lends** its cores while it has no
+prompt: it writes how many threads it has idle into the same file (`lend_idle`, an aligned 4-byte word at
+`IDLE_OFFSET`, shared by `mmap`), and zero the moment work arrives, before it computes. Decode's native
+layers read that word at every phase of every layer (`kernels/cpu_decoder.c`, `pdserve_native_lender`) and
+add those threads while it is non-zero: prefill never waits for its core, it takes it back within one work
+item of decode's (tens of microseconds) and a helper's spin (`SPIN_NS`).
 """
 from __future__ import annotations
 

@@ -186,8 +186,7 @@ class LocalCluster:
             for i in range(self.n_prefill):
                 # A pair sharing CPU cores hands KV off after the forward: receiving a layer-streamed handoff
                 # competes with the step for those cores, and decode's accepting it first stalls the step on
-                # decode's busy loop (guidellm, SmolLM2-135M bf16, 2-core Xeon: concurrency 1 TTFT p50 94 -> 75 ms;
-                # two runs each: concurrency 4 129 -> 134 output tok/s, 16: 173 -> 181). Explicit flags still win.
+                # decode's busy loop (docs/PERFORMANCE.md, "KV handoff on shared cores"). Explicit flags still win.
                 shared = self._lease(i) is not None and self._device() == "cpu"
                 cfg = PrefillConfig(model=model_dir, worker_id=f"prefill-{i}", drain_timeout=self.drain_timeout,
                                     cpu_lease=self._lease(i), kv=KVSendConfig(stream_layers=not shared))

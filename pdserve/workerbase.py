@@ -187,7 +187,7 @@ class WorkerBase:
         hb = asyncio.create_task(self._heartbeat())
         # What is loaded by now (the model's modules, the tokenizer, calibration) lives as long as the process:
         # frozen out of the collector's sight, a full collection in the middle of a step walks only what requests
-        # allocated (gc_collect_main was 3-4 % of a bfloat16 prompt step's CPU time, SmolLM2-135M, Zen 4).
+        # allocated, not the model and the tokenizer every time (docs/PERFORMANCE.md, "Garbage collector").
         gc.collect()
         gc.freeze()
         # `pdserve up` waits for this line: this process (not an earlier one under the same id) takes work

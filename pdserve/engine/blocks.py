@@ -280,7 +280,8 @@ class BlockPool:
         s = self._seq(seq_id)
         table = s.table[len(s.table) - self.layout.layer_blocks(layer, s.num_tokens):] if for_handoff else s.table
         idx = torch.tensor(table, dtype=torch.int64, device=self.kv.device)
-        # one layer at a time: index_select over the whole permuted [L, ...] view copied the entire pool (~0.3 s)
+        # one layer at a time: index_select over the whole permuted [L, ...] view copies the entire pool first,
+        # whatever the prompt (docs/PERFORMANCE.md, "KV export")
         data = self.kv[layer].index_select(0, idx)
         tail = s.num_tokens % self.block_size
         if tail:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-PACK_ROWS_HINT = 16  # the row count oneDNN lays the packed weights out for (flat from 4 to 16 rows here)
+PACK_ROWS_HINT = 16  # the row count oneDNN lays the packed weights out for; its speed is flat from 4 rows to this
 
 # sibling projections that read one input, in the order transformers' modules call them
 FUSIBLE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -42,20 +42,15 @@ class CpuLinear(nn.Module):
     """``x @ W.T + b``, with the weight in the layout the CPU's BLAS runs fastest for the row count.
 
     `weight_t` `[in, out]` contiguous is the parameter: one row (batch-1 decode) and more than
-    `PACKED_MAX_ROWS` rows (prefill, big batches) multiply it (`x @ W_t` beat `F.linear` on `[out, in]`
-    by 3-5% per step at batch 1 and ~9% at batch 16). Between them MKL is slow with it, and a
-    speculative step at batch 1 feeds k + 1 = 2-9 rows. All projections of one SmolLM2 step, weights
-    cold (not in cache), thread CPU ms:
-
-        rows                1     2     3     4     6     9
-        x @ W_t            36    59    57    66    62    83
-        F.linear [out, in] 38    44    45    79    85   124
-        oneDNN packed      46    56    52    51    52    56
+    `PACKED_MAX_ROWS` rows (prefill, big batches) multiply it, where `x @ W_t` is faster than
+    `F.linear` on `[out, in]`. Between those sizes MKL is slow with it, and a speculative step at
+    batch 1 feeds k + 1 = 2-9 rows: there `F.linear` on `[out, in]` wins for two and three rows,
+    and oneDNN's packed layout, whose time hardly grows with the rows, for more (docs/PERFORMANCE.md,
+    "CPU weight layouts").
 
     So a module may also hold `weight_rows` (`[out, in]`) and `weight_packed` (oneDNN's layout): see
     `add_small_step_layouts`. Which one a step of n rows uses is its `plan`'s choice, measured on the
-    machine it runs on (other CPUs rank them otherwise: on an AMD EPYC `[out, in]` at 2-3 rows was the
-    slowest of the three, and packed weights the fastest even at one row); without a plan,
+    machine it runs on, because other CPUs rank the layouts otherwise (same section); without a plan,
     `default_layout`, the ranking above.
     """
 

@@ -250,9 +250,10 @@ class NativeDecoder:
                                              gemma_norm=int(kind == "gemma"),
                                              gelu=int(_activation(gated, self.dtype) == "gelu"),
                                              **moe))
-        # The head through the same GEMV: oneDNN's bf16 matmul took 9 of a 16-row step's 39 ms on SmolLM2's
-        # 49152 x 576 head here, the GEMV 3 (one more copy of the head's weights, 57 MB there). In float32 the
-        # head's own weight_t, so its logits are row-invariant too.
+        # The head through the same GEMV: a vocabulary-wide head is a large part of a small step, and the GEMV
+        # takes a fraction of oneDNN's bf16 matmul's time for it, at the price of one more copy of the head's
+        # weights (docs/PERFORMANCE.md, "LM head"). In float32 the head's own weight_t, so its logits are
+        # row-invariant too.
         head = self.hf.lm_head
         self.vocab = None
         if isinstance(head, CpuLinear) and head.weight_t.dtype == self.dtype and (f32 or head.weight_t.shape[0] % 2 == 0):
