@@ -72,20 +72,13 @@ from pdserve.kvtransfer.shm import SENDER_MAPS
 from pdserve.grammar import GrammarDeadEnd, GrammarError, GrammarVocab
 from pdserve.processors import make_processor, token_logprobs
 from pdserve.sampling import TextStream, sample_next
+from pdserve.prefill import scheduler
 from pdserve.workerbase import WorkerBase, run_worker
 from pdserve import logs, tracing
 
 log = logging.getLogger("pdserve.prefill")
 
 _JOB_IDS = itertools.count()
-# A step borrows decode's threads (pdserve.cpulease) only when it has this many tokens or more (a prompt's
-# compute, where a second core pays) and is the one prompt waiting: a lone request's TTFT is what a second
-# core shortens. With more prompts queued, decode is about to be handed work, and each borrowed step it
-# must wait out to take its threads back costs it more than the step gains (guidellm, concurrency 4,
-# AMD EPYC Zen 4: 61.6 output tok/s borrowing with up to 4 prompts a step against 85.6 never borrowing).
-# One prompt a step is also within what computes bit for bit as one thread does: a float32 GEMM of 5-11
-# rows sums in another order with two threads (torch 2.13), and the head has a row per completed prompt.
-LEASE_MIN_TOKENS = 64
 # How often a pre-positioning hint that waits for a busy co-located decode worker looks again.
 HINT_RECHECK_S = 0.05
 DEFER_QUEUE_TOKENS_GPU = 256  # --defer-queue-tokens on a GPU: a prompt behind one prefill chunk's worth goes to decode
@@ -329,16 +322,18 @@ class PrefillWorker(WorkerBase):
             self.spawn(self._defer(job, ahead))
         self._wake.set()
 
+    def _waiting(self) -> list[scheduler.Waiting]:
+        return [scheduler.Waiting(j.remaining, j.offering, j.started) for j in self.jobs]
+
     def _defer_ahead(self, job: Job) -> int | None:
         """The prompt tokens waiting here ahead of `job` (arriving, or in the queue) if it is to be offered to
-        decode uncomputed: the queue is long, the prompt needs computing (its prefix is not cached here) and it
-        has one choice."""
-        if not self.defer_tokens or job.req.sampling.n != 1 or len(job.token_ids) < 2:
+        decode uncomputed (`scheduler.defer_ahead`), else None."""
+        if not self.defer_tokens:
             return None
-        ahead = sum(j.remaining for j in itertools.takewhile(lambda j: j is not job, self.jobs) if not j.offering)
-        if ahead < self.defer_tokens or 2 * self._local_prefix(job.token_ids) >= len(job.token_ids):
-            return None
-        return ahead
+        at = next((i for i, j in enumerate(self.jobs) if j is job), None)
+        return scheduler.defer_ahead(defer_tokens=self.defer_tokens, choices=job.req.sampling.n,
+                                     prompt_tokens=len(job.token_ids), cached_tokens=self._local_prefix(job.token_ids),
+                                     ahead=scheduler.ahead_tokens(self._waiting(), at))
 
     def _reoffer(self) -> None:
         """Offer decode the last prompt still waiting here, once per step (scheduler, between steps).
@@ -346,13 +341,12 @@ class PrefillWorker(WorkerBase):
         Prompts are offered on arrival, and decode takes them while its own queue of such prompts is no longer
         than this one's; a burst's later arrivals find decode's queue full and stay here. Once decode has
         computed what it took, those would wait behind this worker's steps while decode steps a few rows below
-        its capacity (16 prompts of ~330 tokens at once, SmolLM2 bf16, 2 Zen 4 cores: decode took 4, had computed
-        them 1.6 s in, and stepped 7-10 rows alone for the 3 s prefill still needed for the other 12). So between
-        steps the prompt that would wait longest is offered again, if it is still far enough back (the same
-        burst: its last first token 3.3-3.8 s in against 3.6-5.4, 193-197 output tok/s against 163-199)."""
-        if not self.defer_tokens or self._reoffered_at == self._steps or any(j.offering for j in self.jobs):
-            return
-        job = next((j for j in reversed(self.jobs) if not j.started), None)
+        its capacity. So between steps the prompt that would wait longest is offered again
+        (`scheduler.reoffer_candidate`), if it is still far enough back (docs/PERFORMANCE.md, "Conditional
+        disaggregation")."""
+        i = scheduler.reoffer_candidate(self._waiting(), defer_tokens=self.defer_tokens,
+                                        offered_this_step=self._reoffered_at == self._steps)
+        job = self.jobs[i] if i is not None else None
         ahead = self._defer_ahead(job) if job is not None else None
         if ahead is not None:
             self._reoffered_at = self._steps
@@ -445,9 +439,11 @@ class PrefillWorker(WorkerBase):
             log.debug("bad pre-positioning hint: %s", e)
             return
         ids = hint.token_ids
-        if (not self.preposition_budget or hint.model != self.model_name or not ids
-                or len(ids) >= self.runner.max_context or len(ids) // self.runner.layout.block_size > self.preposition_budget
-                or min(ids) < 0 or max(ids) >= self.runner.config.vocab_size):
+        if why := scheduler.hint_refusal(
+                budget_blocks=self.preposition_budget, same_model=hint.model == self.model_name, tokens=len(ids),
+                max_context=self.runner.max_context, block_size=self.runner.layout.block_size,
+                ids_in_vocab=not ids or (min(ids) >= 0 and max(ids) < self.runner.config.vocab_size)):
+            log.debug("pre-positioning hint refused: %s", why)
             self.m_pp.labels("refused").inc()
             return
         self.hints[hint.request_id] = Job(f"pp-{next(_JOB_IDS)}-{hint.request_id}", list(hint.token_ids),
@@ -471,25 +467,17 @@ class PrefillWorker(WorkerBase):
 
     # -- the scheduler ---------------------------------------------------------------------
 
-    def _plan(self) -> list[tuple[Job, int]]:
-        """This step's chunks: every waiting prompt, oldest first, its next chunk, within the token budget;
-        when no prompt waits, the next chunk of one pre-positioning hint."""
-        plan, budget = [], self.max_batch_tokens
-        for job in self.jobs:
-            if job.offering:
-                continue
-            n = min(self.chunk_size, job.remaining, budget)
-            if n <= 0:
-                break
-            plan.append((job, n))
-            budget -= n
-        if plan:
-            return plan
-        if self.hint_job is None and self.hints:
-            _, self.hint_job = self.hints.popitem(last=True)
-        if self.hint_job is not None:
-            plan.append((self.hint_job, min(self.chunk_size, self.hint_job.remaining)))
-        return plan
+    def _plan(self) -> tuple[scheduler.StepPlan, list[tuple[Job, int]]]:
+        """This step's plan (`scheduler.plan_step`) and its chunks' jobs; a hint's chunk is the newest hint's,
+        taken from the hints when it starts."""
+        hint = self.hint_job or (next(reversed(self.hints.values())) if self.hints else None)
+        plan = scheduler.plan_step(self._waiting(), hint_remaining=hint.remaining if hint is not None else None,
+                                   chunk_size=self.chunk_size, max_batch_tokens=self.max_batch_tokens)
+        if plan.hint:
+            if self.hint_job is None:
+                _, self.hint_job = self.hints.popitem(last=True)
+            return plan, [(self.hint_job, plan.hint)]
+        return plan, [(self.jobs[i], n) for i, n in plan.chunks]
 
     def _pp_in_use(self) -> int:
         for h in [h for h in self._pp_hashes if not self.engine.holds(h)]:
@@ -520,9 +508,9 @@ class PrefillWorker(WorkerBase):
             n = min(n, job.remaining)
             batch.append((job, n))
         if self.stream_layers:
-            self._stream_candidates = [j for j, n in batch if not j.hint and n == j.remaining
-                                       and j.req.sampling.max_tokens > 1 and j.req.sampling.n == 1
-                                       and j.stream is None]
+            self._stream_candidates = [j for j, n in batch if scheduler.streams_layers(
+                hint=j.hint, chunk=n, remaining=j.remaining, max_tokens=j.req.sampling.max_tokens if j.req else 0,
+                choices=j.req.sampling.n if j.req else 0, streaming=j.stream is not None)]
         try:
             logits = self._forward(batch)
         finally:
@@ -552,8 +540,8 @@ class PrefillWorker(WorkerBase):
         never borrows: it is idle-time work of this worker's own, and must not delay decode taking its
         threads back."""
         lent = 0
-        if (not self._hint_step and len(plan) == 1 and len(self.jobs) == 1
-                and plan[0][1] >= LEASE_MIN_TOKENS):
+        if scheduler.borrows_threads(hint_step=self._hint_step, chunks=len(plan), prompts_queued=len(self.jobs),
+                                     tokens=plan[0][1]):
             lent = self.lease.try_borrow()
         if not lent:
             return self._step(plan)
@@ -588,12 +576,12 @@ class PrefillWorker(WorkerBase):
 
     def _yield_hint(self) -> None:
         """Every layer's pre-hook (compute thread): a step computing only a pre-positioning hint stops as soon
-        as a prompt waits, rather than keep it waiting for the rest of the chunk (a 256-token chunk of
-        SmolLM2 is ~250 ms on a CPU core: measured, the whole gap between a lone request's TTFT and its
-        prefill, when the hint of the request before was still computing). The engine leaves the hint's
+        as a prompt waits, rather than keep it waiting for the rest of the chunk (a whole chunk was the gap
+        between a lone request's TTFT and its prefill: docs/PERFORMANCE.md, "Pre-positioning"). The engine leaves the hint's
         sequence as it was before the step; the hint goes on when the worker is idle again. The same when a
         co-located decode worker starts stepping (pdserve.cpulease): the machine is no longer idle."""
-        if self._hint_step and (self.jobs or (self.lease is not None and self.lease.owner_busy())):
+        stepping = self._hint_step and self.lease is not None and self.lease.owner_busy()  # (asked of hints only)
+        if scheduler.hint_yields(hint_step=self._hint_step, prompts_waiting=len(self.jobs), decode_stepping=stepping):
             raise HintYielded
 
     # -- layer streaming (compute thread: hooks on the engine's layers) -----------------------
@@ -682,11 +670,12 @@ class PrefillWorker(WorkerBase):
                 self.hints.clear()  # the budget is full of pre-positioned KV nobody used yet
                 self.m_pp.labels("over_budget").inc()
             self._reoffer()
-            plan = self._plan()
-            if plan and self.lease is not None and all(job.hint for job, _ in plan) and self.lease.owner_busy():
-                # pre-positioning is idle-time work, and this machine is not idle while its decode steps: the
-                # hint waits, and decode keeps these threads (a burst's last answers, each followed by a hint,
-                # were computed beside the others' decode tail)
+            step, plan = self._plan()
+            action = scheduler.step_action(step, decode_stepping=bool(step.hint) and self.lease is not None
+                                           and self.lease.owner_busy())
+            if action == "wait_for_decode":
+                # the hint waits and decode keeps these threads (a burst's last answers, each followed by a
+                # hint, were computed beside the others' decode tail)
                 self.lease.lend_idle(self.args.threads)
                 self._wake.clear()
                 try:
@@ -694,7 +683,7 @@ class PrefillWorker(WorkerBase):
                 except asyncio.TimeoutError:
                     pass
                 continue
-            if not plan:
+            if action == "idle":
                 if self.lease is not None:
                     self.lease.lend_idle(self.args.threads)  # decode's native layers use them until work arrives
                 self._wake.clear()

@@ -370,7 +370,7 @@ def test_a_lone_prompt_borrows_the_idle_decode_workers_thread_and_answers_the_sa
     port = cluster.metrics_ports["prefill"]
     prompt = "Summarise in one sentence: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(30))
     pids = prompt_ids(hf, prompt)
-    assert len(pids) >= 64  # a step this long borrows (prefill.worker.LEASE_MIN_TOKENS)
+    assert len(pids) >= 64  # a step this long borrows (prefill.scheduler.LEASE_MIN_TOKENS)
     before = metric(port, "pdserve_prefill_cpu_lease_steps_total")
     got = complete(cluster, prompt, max_tokens=16, temperature=0, ignore_eos=True, spec=False)
     assert ids(got) == hf_greedy(hf, pids, 16, exact=True)
