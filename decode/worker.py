@@ -181,8 +181,8 @@ class DecodeWorker(WorkerBase):
         self.pool = scheduler.Pool(self.engine.can_admit, self.engine.layout.block_size)  # what scheduling asks of it
         # An uncomputed prompt's chunk beside running sequences: where steps run the native CPU decoder a chunk
         # rides in the same forward at the projections' full rate, and a larger one amortises the step's read of
-        # the weights over more prompt tokens (SmolLM2 bf16, 2 Zen 4 cores, guidellm concurrency 16: 137 output
-        # tok/s at 256 against 127 at 128); elsewhere a small one keeps the running sequences' ITL down.
+        # the weights over more prompt tokens (docs/PERFORMANCE.md, "Conditional disaggregation"); elsewhere a
+        # small one keeps the running sequences' ITL down.
         self.local_chunk = (args.local_prefill_chunk if args.local_prefill_chunk is not None
                             else LOCAL_CHUNK_NATIVE if self.engine.native_rows() > 0 else LOCAL_CHUNK_DEFAULT)
         self.max_batch = args.max_batch
@@ -195,8 +195,7 @@ class DecodeWorker(WorkerBase):
         self.drafter = self._make_drafter(args)
         self.step_profile = None
         # measured once per model, device and dtype, then cached: the step costs choose k; the fastest weight
-        # layout per row count is what plain decode gains too (on an AMD EPYC in bfloat16, oneDNN's packed
-        # weights made a one-row step 1.6x faster than the default "t")
+        # layout per row count is what plain decode gains too (docs/PERFORMANCE.md, "CPU weight layouts")
         model = getattr(self.engine, "model", None)
         layouts = model.step_layouts() if hasattr(model, "step_layouts") else ("t",)
         if args.spec.calibrate and (self.spec_max_k or len(layouts) > 1):
@@ -832,7 +831,7 @@ class DecodeWorker(WorkerBase):
         if K == 0 and self.verify_impl == "reference":
             # Nothing drafted (on the CPU): verification's k = 0 case is the race argmax(p / E) over each row's noise for
             # its position, which is plain sampling's draw, batched (`sample_rows`: natively in one pass for rows
-            # without a cut; a 16-row step of SmolLM2 spent 15 ms of ~35 on it in torch, 2-core AMD EPYC)
+            # without a cut, where torch took a large share of the step: docs/PERFORMANCE.md, "Sampling")
             return [[t] for t in sample_rows(torch.cat(logits), sp, [len(s.generated) for s in batch],
                                              [s.seed for s in batch])]
         min_p = torch.tensor([p.min_p for p in sp]) if any(p.min_p for p in sp) else None
