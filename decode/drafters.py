@@ -68,22 +68,56 @@ class Draft:
 
 @runtime_checkable
 class Drafter(Protocol):
+    """What the decode worker asks of a drafter; `DrafterBase` gives the optional parts their defaults.
+
+    `model_free`: a proposal costs microseconds, so the worker proposes first and lets the speculation controller
+    cut the draft to what pays, with the drafter's `confidence` in that very proposal (then `trim`). Otherwise the
+    controller chooses k first and the drafter proposes that many. `concurrent`: a batch's proposals may be asked
+    for at once (a remote pool answers them in one pass). `stats`: a Prometheus collector of its own, or None.
+    `attach`: the worker's NATS connection, for drafters that ask elsewhere."""
+
     name: str
+    model_free: bool
+    concurrent: bool
+    stats: Any
 
     async def propose(
         self, request_id: str, token_ids: Sequence[int], k: int, sampling: SamplingParams | None = None
     ) -> Draft: ...
 
+    def confidence(self, request_id: str) -> float | None: ...
+
+    def trim(self, request_id: str, keep: int) -> None: ...
+
     def feedback(self, request_id: str, num_accepted: int, new_token_ids: Sequence[int]) -> None: ...
 
     def release(self, request_id: str) -> None: ...
+
+    def attach(self, nc, scope: str, model: str) -> None: ...
+
+
+class DrafterBase:
+    """The optional parts of `Drafter`, for drafters that need none of them."""
+
+    model_free = False
+    concurrent = False
+    stats = None
+
+    def confidence(self, request_id: str) -> float | None:
+        return None
+
+    def trim(self, request_id: str, keep: int) -> None:
+        pass
+
+    def attach(self, nc, scope: str, model: str) -> None:
+        pass
 
 
 # --------------------------------------------------------------------------------------------
 # No speculation
 
 
-class NoDrafter:
+class NoDrafter(DrafterBase):
     """Proposes nothing: plain decoding through the same interface."""
 
     name = "none"
@@ -156,7 +190,7 @@ class _NgramIndex:
         return [], 0
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """Prompt-lookup drafting: find the longest recent suffix (``max_n`` down to ``min_n``
     tokens) that occurred earlier in prompt + output and propose what followed it.
 
@@ -173,6 +207,7 @@ class NgramDrafter:
     """
 
     name = "ngram"
+    model_free = True
 
     def __init__(self, min_n: int = 2, max_n: int = 8, min_reach: float = 0.25,
                  prior_strength: float = 8.0, decay: float = 0.995, probe_every: int = 8):
@@ -389,7 +424,7 @@ class _DraftState:
     last_context_len: int = -1  # len(token_ids) at the last propose, until its feedback arrives
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(DrafterBase):
     """A small causal LM that shares the target's tokenizer, with its own per-request KV cache.
 
     Greedy proposals (``Draft.probs is None``) when sampling is greedy; otherwise tokens are

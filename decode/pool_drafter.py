@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from pdserve.decode.drafters import Draft, NgramDrafter
+from pdserve.decode.drafters import Draft, DrafterBase, NgramDrafter
 from pdserve.kvtransfer.protocol import DraftReply, DraftReport, DraftRequest, ProtocolError, Subjects
 
 log = logging.getLogger("pdserve.decode.pool")
@@ -65,10 +65,11 @@ class PoolStats:
                                   count_value=self.rtt_count, sum_value=self.rtt_seconds_total)
 
 
-class PoolDrafter:
+class PoolDrafter(DrafterBase):
     """Local prompt lookup plus the draft pool's fleet index; see the module doc."""
 
     name = "pool"
+    model_free = True  # local lookup first, the pool's answer within a fraction of a step
     concurrent = True  # the decode loop may plan a batch's requests at once, so their asks share a pool pass
 
     def __init__(self, local: NgramDrafter, *, tenant_of: Callable[[str], str], timeout_s: float = 0.02,

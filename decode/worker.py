@@ -259,7 +259,7 @@ class DecodeWorker(WorkerBase):
                                        registry=r)
         self.m_spec_rate = Histogram("pdserve_spec_acceptance_rate", "accepted/proposed per verified step",
                                      registry=r, buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
-        if hasattr(self.drafter, "stats") and hasattr(self.drafter.stats, "collect"):
+        if self.drafter.stats is not None:
             r.register(self.drafter.stats)  # the draft pool's asks, round trips and acceptance by drafter
         self.m_spec_k = Histogram("pdserve_spec_chosen_k", "speculation length chosen per step", registry=r,
                                   buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
@@ -312,8 +312,7 @@ class DecodeWorker(WorkerBase):
         self._any_offers = await self.nc.subscribe(Subjects.decode_handoff_any(self.scope, self.model_name),
                                                    queue=DECODE_QUEUE_GROUP, cb=self._on_offer)
         await self.nc.subscribe(Subjects.cancel_all(self.scope), cb=self._on_cancel)
-        if hasattr(self.drafter, "attach"):
-            self.drafter.attach(self.nc, self.scope, self.model_name)
+        self.drafter.attach(self.nc, self.scope, self.model_name)
         self.spawn(self._decode_loop(), background=True)
 
     def busy(self) -> bool:
@@ -736,15 +735,14 @@ class DecodeWorker(WorkerBase):
             return None
         sampling = s.offer.sampling
         max_k = min(s.max_k, room)
-        confidence = getattr(self.drafter, "confidence", None)
-        if confidence is not None and self.spec_k_policy == "adaptive":
+        if self.drafter.model_free and self.spec_k_policy == "adaptive":
             # A model-free proposal costs microseconds: propose first, then let the controller cut it
             # to what pays, using the drafter's confidence in this very proposal.
             t0 = time.perf_counter()
             draft = await self.drafter.propose(rid, s.context, max_k, sampling)
             self.controller.observe_draft(max(1, len(draft.token_ids)), time.perf_counter() - t0)
             k = 0
-            if draft.token_ids and (hint := confidence(rid)) is not None:
+            if draft.token_ids and (hint := self.drafter.confidence(rid)) is not None:
                 k = self.controller.choose_k(rid, s.span.kind, len(self.running), len(draft.token_ids),
                                              alpha_hint=hint)
             self.drafter.trim(rid, k)
@@ -958,7 +956,7 @@ class DecodeWorker(WorkerBase):
             # Stepping from here on: drafting can await (a draft model's thread, the pool over NATS), and
             # a cancel arriving then must leave the sequence's KV to this loop rather than free it under us.
             self._stepping = {s.key for s in batch}
-            if getattr(self.drafter, "concurrent", False):  # remote drafts: ask for the whole batch at once
+            if self.drafter.concurrent:  # remote drafts: ask for the whole batch at once
                 drafts = await asyncio.gather(*(self._plan(s) for s in batch))
             else:
                 drafts = [await self._plan(s) for s in batch]
