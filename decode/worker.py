@@ -196,15 +196,12 @@ class DecodeWorker(WorkerBase):
         self.step_profile = None
         # measured once per model, device and dtype, then cached: the step costs choose k; the fastest weight
         # layout per row count is what plain decode gains too (docs/PERFORMANCE.md, "CPU weight layouts")
-        model = getattr(self.engine, "model", None)
-        layouts = model.step_layouts() if hasattr(model, "step_layouts") else ("t",)
-        if args.spec.calibrate and (self.spec_max_k or len(layouts) > 1):
+        if args.spec.calibrate and (self.spec_max_k or len(self.engine.step_layouts()) > 1):
             from pdserve.engine.calibrate import calibrated
 
             self.step_profile = calibrated(self.engine, max_k=self.spec_max_k)
-            if hasattr(model, "release_unplanned_layouts"):
-                model.release_unplanned_layouts()
-        if self.lease is not None and getattr(model, "native", None) is not None:
+            self.engine.release_unplanned_layouts()
+        if self.lease is not None and self.engine.native_rows() > 0:
             from pdserve.kernels import cpu_decoder
 
             # prefill's threads while it has no prompt (pdserve.cpulease): a burst's decode tail runs on both cores
@@ -644,12 +641,8 @@ class DecodeWorker(WorkerBase):
             return
         try:
             self.engine.rollback(rid, len(offer.prompt_token_ids) - 1)
-            fork = getattr(self.engine, "fork", None)
             for s in seqs:
-                if fork is not None:  # copy-on-write: the blocks are shared
-                    fork(rid, s.key)
-                else:  # an engine without forks holds a copy per choice
-                    self.engine.import_kv(s.key, self.engine.export_kv(rid))
+                self.engine.fork(rid, s.key)  # copy-on-write blocks where the engine has them, else a copy
                 self.m_forks.inc()
         except BaseException:
             for s in seqs:

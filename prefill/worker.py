@@ -155,7 +155,7 @@ class PrefillWorker(WorkerBase):
         self._cancelled: set[str] = set()
         self._wake = asyncio.Event()
         self.prefix_store = None  # the offload tier, when --prefix-offload
-        self.stream_layers = args.kv.stream_layers and hasattr(self.engine, "model")
+        self.stream_layers = args.kv.stream_layers and self.engine.layer_hooks
         self._stream_candidates: list[Job] = []  # jobs whose last chunk the running step computes
         self._streams: list[Job] = []  # … of which decode accepted a streamed offer
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -226,10 +226,10 @@ class PrefillWorker(WorkerBase):
     async def on_start(self) -> None:
         self.loop = asyncio.get_running_loop()
         # layer callbacks both forwards call (transformers' and the native CPU decoder's)
-        model = self.engine.model
-        model.add_layer_hooks(before=lambda i: self._yield_hint())  # a pre-positioning step gives way at any layer
+        if self.engine.layer_hooks:  # a pre-positioning step gives way at any layer
+            self.engine.add_layer_hooks(before=lambda i: self._yield_hint())
         if self.stream_layers:
-            model.add_layer_hooks(before=lambda i: i == 0 and self._open_streams(), after=self._layer_done)
+            self.engine.add_layer_hooks(before=lambda i: i == 0 and self._open_streams(), after=self._layer_done)
         # transports in preference order (shm only when decode reports the same host), negotiated per handoff
         self.kv_channel = KVSendChannel(self.nc, scope=self.scope, sender_id=self.worker_id, generation=self.generation,
                                         transports=self.args.kv.transport_list,

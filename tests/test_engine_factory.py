@@ -55,6 +55,41 @@ def test_paged_and_dense_engines_decode_alike(runner):
     assert outputs[0] == outputs[1]
 
 
+def test_both_engines_offer_the_whole_protocol_the_workers_call(runner):
+    """The workers call forks, step layouts and layer hooks on any engine, never probing it: each engine answers
+    them, a fork decodes as its parent does, and an engine without layer callbacks says so and refuses them."""
+    prompt = runner.encode("Name a colour:")
+    for kind in ("paged", "dense"):
+        engine = create_engine(runner, kind=kind, kv_capacity_bytes=CAPACITY)
+        assert engine.device == runner.device and engine.vocab_size == runner.vocab_size
+        assert "t" in engine.step_layouts()
+        engine.set_step_plan(("t",) * 4)
+        engine.release_unplanned_layouts()
+        engine.prefill("p", prompt)
+        engine.fork("p", "c")
+        with pytest.raises(KeyError):
+            engine.fork("p", "c")
+        assert engine.num_tokens("c") == engine.num_tokens("p") == len(prompt)
+        a, b = engine.step([("p", [42]), ("c", [42])], last_only=True)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same KV, the same token: the same logits
+        engine.free("p")
+        (after,) = engine.step([("c", [7])], last_only=True)  # the child outlives its parent
+        assert torch.isfinite(after).all()
+        engine.free("c")
+        seen = []
+        if kind == "paged":
+            assert engine.layer_hooks
+            engine.add_layer_hooks(before=seen.append)
+            engine.prefill("h", prompt)
+            assert seen == list(range(runner.layout.num_layers))
+        else:
+            assert not engine.layer_hooks
+            with pytest.raises(NotImplementedError, match="layer_hooks is False"):
+                engine.add_layer_hooks(before=seen.append)
+            with pytest.raises(ValueError, match="unknown weight layout"):
+                engine.set_step_plan(("packed",))
+
+
 def test_every_family_gets_the_paged_engine_and_dense_is_for_full_attention_only(tiny_root, model_dir):
     from tinymodels import make_tiny
 

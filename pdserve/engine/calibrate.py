@@ -112,8 +112,7 @@ def device_name(device: torch.device | str) -> str:
 
 def engine_device(engine) -> torch.device:
     """The device an engine computes on (`PagedRunner.device`, or its `ModelRunner`'s)."""
-    dev = getattr(engine, "device", None) or getattr(getattr(engine, "runner", None), "device", "cpu")
-    return torch.device(dev)
+    return torch.device(engine.device)
 
 
 def profile_key(fingerprint: str, device: torch.device | str, dtype: str, row_counts: list[int],
@@ -151,14 +150,13 @@ def step_clock(device: torch.device):
 def measure(engine, row_counts: list[int], *, context_tokens: int = 128, repeats: int = 2) -> StepProfile:
     """Measure `engine.step` of each row count (and each weight layout its model holds); see the module doc.
 
-    `engine`: a `pdserve.engine.Engine` (a `PagedRunner` offers layouts through `model.step_layouts()`;
+    `engine`: a `pdserve.engine.Engine` (a `PagedRunner` offers its model's layouts through `step_layouts()`;
     any other engine is measured as it is). Leaves the engine as it found it, the step plan set to the
     measured winners. Raises OutOfBlocks if the engine cannot hold one sequence of the context plus
     the largest row count.
     """
-    model = getattr(engine, "model", None)
-    layouts = model.step_layouts() if model is not None and hasattr(model, "step_layouts") else ("t",)
-    vocab = int(getattr(engine, "vocab_size", 0) or getattr(getattr(model, "args", None), "vocab_size", 1000))
+    layouts = engine.step_layouts()
+    vocab = engine.vocab_size
     # a deterministic, non-repeating prompt: token ids spread over the vocabulary
     prompt = [(7919 * i + 13) % vocab for i in range(context_tokens)]
     clock = step_clock(engine_device(engine))
@@ -169,8 +167,8 @@ def measure(engine, row_counts: list[int], *, context_tokens: int = 128, repeats
         base = engine.num_tokens(CALIBRATION_SEQ)
         for _ in range(max(repeats, 1)):  # the minimum discounts the first round's warm-up (allocator, oneDNN)
             for name in layouts:
-                if model is not None and len(layouts) > 1:
-                    model.set_step_plan((name,) * (max(row_counts) + 1))
+                if len(layouts) > 1:
+                    engine.set_step_plan((name,) * (max(row_counts) + 1))
                 for rows in row_counts:
                     ids = prompt[-rows:] if rows <= len(prompt) else (prompt * (rows // len(prompt) + 1))[:rows]
                     s = clock()
@@ -187,8 +185,8 @@ def measure(engine, row_counts: list[int], *, context_tokens: int = 128, repeats
     prof = StepProfile(key="", device=device_name(engine_device(engine)), context_tokens=context_tokens,
                        seconds=seconds, layouts=chosen if len(layouts) > 1 else {}, by_layout=best,
                        measured_s=time.perf_counter() - t0)
-    if model is not None and len(layouts) > 1:
-        model.set_step_plan(prof.plan())
+    if len(layouts) > 1:
+        engine.set_step_plan(prof.plan())
     return prof
 
 
@@ -199,8 +197,7 @@ def calibrated(engine, *, max_k: int, cache: Path | None = None, context_tokens:
     is set to the profile's in both cases."""
     from pdserve.modelstore import cache_dir
 
-    model = getattr(engine, "model", None)
-    layouts = model.step_layouts() if model is not None and hasattr(model, "step_layouts") else ("t",)
+    layouts = engine.step_layouts()
     rows = default_row_counts(max_k)
     device = engine_device(engine)
     key = profile_key(engine.layout.model_fingerprint, device, engine.layout.dtype, rows, layouts)
@@ -208,8 +205,8 @@ def calibrated(engine, *, max_k: int, cache: Path | None = None, context_tokens:
     try:
         prof = StepProfile.from_json(path.read_text())
         if prof.key == key:
-            if model is not None and prof.layouts:
-                model.set_step_plan(prof.plan())
+            if prof.layouts:
+                engine.set_step_plan(prof.plan())
             return prof
     except (OSError, ValueError, KeyError, TypeError) as e:
         if path.exists():

@@ -21,9 +21,13 @@ class DenseEngine:
     cache cannot take. The decode loop drives either engine through the same calls.
     """
 
+    layer_hooks = False  # transformers' dense forward, one sequence at a time: no layer callbacks
+
     def __init__(self, runner: ModelRunner, capacity_bytes: int):
         self.runner = runner
         self.layout = runner.layout
+        self.device = runner.device
+        self.vocab_size = runner.vocab_size
         self.capacity_bytes = capacity_bytes
         self._caches: dict[object, DynamicCache] = {}
         self._reserved: dict[object, int] = {}
@@ -85,6 +89,25 @@ class DenseEngine:
 
     def native_rows(self) -> int:
         return 0  # every step is transformers' forward
+
+    def fork(self, parent, child) -> None:
+        """A copy of `parent`'s cache: a dense engine shares no blocks."""
+        if child in self._caches:
+            raise KeyError(f"sequence {child!r} already exists")
+        self.import_kv(child, self.export_kv(parent))
+
+    def step_layouts(self) -> tuple[str, ...]:
+        return ("t",)
+
+    def set_step_plan(self, plan: tuple[str, ...]) -> None:
+        if set(plan) - {"t"}:
+            raise ValueError(f"unknown weight layout(s) {sorted(set(plan) - {'t'})}; the dense engine offers ('t',)")
+
+    def release_unplanned_layouts(self) -> None:
+        pass
+
+    def add_layer_hooks(self, before=None, after=None) -> None:
+        raise NotImplementedError("the dense engine has no layer callbacks (layer_hooks is False)")
 
     def __contains__(self, seq_id) -> bool:
         return seq_id in self._caches

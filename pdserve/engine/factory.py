@@ -31,12 +31,14 @@ class Engine(Protocol):
     Every call that needs KV space checks it can have all of it first and raises
     `pdserve.engine.OutOfBlocks` otherwise, having changed nothing.
 
-    Layer streaming (prefill) needs more than this: an engine with a `model` whose `layers` take
-    forward hooks, and `export_layer(seq_id, layer)` (a layer's KV as a handoff carries it); prefill checks
-    for `model`.
+    Layer callbacks (prefill's layer streaming and pre-positioning yield) exist where `layer_hooks` is true:
+    `add_layer_hooks`, and `export_layer(seq_id, layer)` (a layer's KV as a handoff carries it).
     """
 
     layout: KVLayout
+    device: torch.device
+    vocab_size: int
+    layer_hooks: bool  # whether `add_layer_hooks` (and `export_layer`) are offered
 
     def __contains__(self, seq_id: Hashable) -> bool: ...
 
@@ -91,6 +93,26 @@ class Engine(Protocol):
 
     def native_rows(self) -> int:
         """Most rows of a step that runs on the native CPU decoder (`engine.native`); 0 where none does."""
+        ...
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """Start `child` as a copy of `parent` (n > 1 choices): copy-on-write blocks where the engine has them."""
+        ...
+
+    def step_layouts(self) -> tuple[str, ...]:
+        """The weight layouts a step calibration (`engine.calibrate`) may choose between; ("t",) for one."""
+        ...
+
+    def set_step_plan(self, plan: tuple[str, ...]) -> None:
+        """Take a calibration's plan: a layout (of `step_layouts()`) per row count, index = rows."""
+        ...
+
+    def release_unplanned_layouts(self) -> None:
+        """Drop the weight copies the plan never uses."""
+        ...
+
+    def add_layer_hooks(self, before=None, after=None) -> None:
+        """Callbacks around every layer of every step (`before(i)`, `after(i)`); only where `layer_hooks`."""
         ...
 
 

@@ -201,6 +201,20 @@ class PagedRunner:
                     self.pool.register_prefix(sid, toks)
         return list(logits.split(rows))
 
+    layer_hooks = True  # both forwards (transformers' and the native decoder's) call them
+
+    def step_layouts(self) -> tuple[str, ...]:
+        return self.model.step_layouts()
+
+    def set_step_plan(self, plan: tuple[str, ...]) -> None:
+        self.model.set_step_plan(plan)
+
+    def release_unplanned_layouts(self) -> None:
+        self.model.release_unplanned_layouts()
+
+    def add_layer_hooks(self, before=None, after=None) -> None:
+        self.model.add_layer_hooks(before=before, after=after)
+
     def fork(self, parent, child) -> None:
         """Start `child` as a copy of `parent` sharing its KV blocks (copy-on-write), e.g. for n > 1 samples."""
         if child in self._tokens:
