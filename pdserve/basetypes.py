@@ -46,11 +46,11 @@ class Guided(BaseModel):
 class SamplingParams(BaseModel):
     """What a request asks of generation. Validated at the edge (the front) and again by workers.
 
-    `temperature == 0` is greedy (one below `GREEDY_BELOW` is made 0, as vLLM does); `top_k == 0`, `top_p == 1` and `min_p == 0` turn those filters
-    off. The order of processing is vLLM's: the raw logits get the history-dependent processors
-    (`min_tokens`, the grammar's mask (`guided`), then the repetition, frequency and presence
-    penalties — `pdserve.processors`); greedy takes their argmax; sampling goes on with
-    temperature → min-p → top-k → top-p (`pdserve.kernels.spec_verify.process_logits`).
+    `temperature == 0` is greedy (one below `GREEDY_BELOW` is made 0, as vLLM does); `top_k == 0`,
+    `top_p == 1` and `min_p == 0` turn those filters off. The order of processing is vLLM's: the raw
+    logits get the history-dependent processors (`min_tokens`, the grammar's mask (`guided`), then the
+    repetition, frequency and presence penalties — `pdserve.processors`); greedy takes their argmax;
+    sampling goes on with temperature → min-p → top-k → top-p (`pdserve.kernels.spec_verify.process_logits`).
     """
 
     model_config = ConfigDict(extra="forbid")
