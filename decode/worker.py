@@ -49,7 +49,6 @@ from pdserve.config import DecodeConfig
 from pdserve.cpulease import CpuLease
 from pdserve.decode import scheduler
 from pdserve.decode.drafters import Draft, make_drafter
-from pdserve.decode.scheduler import next_batch
 from pdserve.decode.speculation import LatencyModel, SpanTracker, SpeculationController
 from pdserve.engine import EngineUnavailable, OutOfBlocks, create_engine
 from pdserve.kernels.spec_verify import verify, verify_greedy
@@ -940,7 +939,7 @@ class DecodeWorker(WorkerBase):
                 t_wait = time.perf_counter()
                 await self.compute(self.lease.hold)  # at most one borrowed prefill step away
                 self.m_lease_wait.observe(time.perf_counter() - t_wait)
-            batch = next_batch(self.running, self.max_batch) if self.running else []
+            batch = scheduler.next_batch(self.running, self.max_batch) if self.running else []
             self.steps += 1
             for s in batch:
                 if s.last_step >= 0:
