@@ -46,7 +46,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.basetypes import LayoutMismatch
 from pdserve.config import DecodeConfig
-from pdserve.cpulease import CpuLease
+from pdserve.cpulease import HOLD_WAIT_S, CpuLease
 from pdserve.decode import scheduler
 from pdserve.decode.drafters import Draft, make_drafter
 from pdserve.decode.speculation import LatencyModel, SpanTracker, SpeculationController
@@ -371,6 +371,13 @@ class DecodeWorker(WorkerBase):
         t_offer = tracing.now_ns() if tracing.enabled() else 0
         if self.draining:
             await msg.respond(refuse(f"decode worker {self.worker_id} is draining").encode())
+            return
+        if offer.request_id in self._cancelled:
+            # cancelled before it was offered: a prefill worker frozen past its bound thawed with a request the
+            # front has since moved elsewhere (or whose client went away); its KV is not wanted
+            self._cancelled.discard(offer.request_id)
+            await msg.respond(refuse(f"request {offer.request_id} was cancelled before its handoff",
+                                     logging.INFO).encode())
             return
         if self._holds(offer.request_id):
             # A second offer of a request this worker owns: prefill re-offered it (its first offer's reply was
@@ -937,7 +944,10 @@ class DecodeWorker(WorkerBase):
                 continue
             if self.lease is not None and not self.lease.held:
                 t_wait = time.perf_counter()
-                await self.compute(self.lease.hold)  # at most one borrowed prefill step away
+                was_out = self.lease.waited_out
+                if not await self.compute(self.lease.hold) and not was_out:  # at most one borrowed step away
+                    log.warning("prefill has held this worker's CPU lease for %.0f s (frozen or stuck mid-step): "
+                                "stepping without it until it lets go", HOLD_WAIT_S)
                 self.m_lease_wait.observe(time.perf_counter() - t_wait)
             batch = scheduler.next_batch(self.running, self.max_batch) if self.running else []
             self.steps += 1

@@ -61,6 +61,15 @@ class RequestFailed(Exception):
         self.status, self.message, self.type, self.code = status, message, type_, code
 
 
+class PrefillLost(Exception):
+    """The prefill worker holding a request went silent before anything of it was streamed: nothing the client
+    has seen depends on that worker, so the request can be dispatched again (`FrontConfig.migration_limit`)."""
+
+    def __init__(self, failure: RequestFailed, worker_id: str):
+        super().__init__(failure.message)
+        self.failure, self.worker_id = failure, worker_id
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -122,6 +131,8 @@ class Front:
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
         self.m_prompt_tokens = Counter("pdserve_prompt_tokens_total", "prompt tokens", registry=r)
         self.m_completion_tokens = Counter("pdserve_completion_tokens_total", "generated tokens", registry=r)
+        self.m_moves = Counter("pdserve_request_moves_total", "requests dispatched again after the worker holding "
+                               "them died, by that worker's role", ["role"], registry=r)
         self.m_hints = Counter("pdserve_preposition_hints_sent_total", "pre-positioning hints sent to prefill",
                                registry=r)
         from pdserve.front.registry import RegistryCollector
@@ -579,7 +590,7 @@ class Generation:
         self.choices = [Choice(i) for i in range(params.n)]
         self.cached_tokens = 0  # prompt tokens prefill took from its prefix cache
         self.prepositioned = False  # … some of which pre-positioning computed ahead
-        self._sub = None
+        self.attempt_rid = rid  # the request id the workers know: `rid`, then `rid-m1`, … once moved
 
     @property
     def completion_tokens(self) -> int:
@@ -593,7 +604,7 @@ class Generation:
             msg = await f.nc.request(direct, preq.encode(), timeout=min(a.dispatch_timeout, 2.0))
             return Ack.decode(msg.data)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-            log.info("prefill worker %s did not take %s; dispatching to the queue group", worker_id, self.rid)
+            log.info("prefill worker %s did not take %s; dispatching to the queue group", worker_id, preq.request_id)
         try:
             msg = await f.nc.request(Subjects.prefill(f.scope, f.model_name), preq.encode(), timeout=a.dispatch_timeout)
             return Ack.decode(msg.data)
@@ -621,9 +632,11 @@ class Generation:
                                 "server_error")
         return self.choices[ev.index]
 
-    async def cancel(self, reason: str) -> None:
+    async def cancel(self, reason: str, rid: str | None = None) -> None:
+        """Tell every worker to drop the request (`rid`: one attempt of it; default: the current one)."""
+        rid = rid or self.attempt_rid
         try:
-            await self.front.nc.publish(Subjects.cancel(self.front.scope, self.rid), Cancel(request_id=self.rid, reason=reason).encode())
+            await self.front.nc.publish(Subjects.cancel(self.front.scope, rid), Cancel(request_id=rid, reason=reason).encode())
         except Exception:
             pass
 
@@ -672,14 +685,60 @@ class Generation:
         f.inflight[decode.worker_id] += 1
         f.inflight_bytes[decode.worker_id] += kv_bytes
         f.m_prompt_tokens.inc(len(self.prompt_ids))
-        sub = await f.nc.subscribe(Subjects.stream(f.scope, self.rid))
-        finished = False
+        try:
+            moves = 0
+            while True:
+                try:
+                    async for item in self._attempt(preq, prefill.worker_id, hit, t0):
+                        yield item
+                    return
+                except PrefillLost as e:
+                    lost = e
+                prefill, hit = self._move(lost, moves)
+                moves += 1
+                f.m_moves.labels("prefill").inc()
+                self.attempt_rid = f"{self.rid}-m{moves}"
+                log.warning("%s: %s; dispatched again to prefill worker %s as %s", self.rid, lost.failure.message,
+                            prefill.worker_id, self.attempt_rid)
+                if spans is not None:
+                    spans.event("moved", **{"pdserve.from_worker": lost.worker_id,
+                                            "pdserve.prefill_worker": prefill.worker_id})
+                preq = preq.model_copy(update={"request_id": self.attempt_rid})
+        finally:
+            f.inflight[decode.worker_id] -= 1
+            f.inflight_bytes[decode.worker_id] -= kv_bytes
+            if f.inflight[decode.worker_id] <= 0:
+                del f.inflight[decode.worker_id]
+                f.inflight_bytes.pop(decode.worker_id, None)
+
+    def _move(self, lost: PrefillLost, moves: int):
+        """Where a request goes after its prefill worker died holding it → (prefill worker, its cached tokens);
+        RequestFailed (worker_lost) past `migration_limit` moves or with no other prefill worker alive."""
+        f = self.front
+        if moves >= f.args.migration_limit:
+            raise RequestFailed(lost.failure.status, f"{lost.failure.message}; not moved again: it has been moved "
+                                f"{moves} of --migration-limit {f.args.migration_limit} times",
+                                lost.failure.type, code=lost.failure.code)
+        prefill, hit = f.registry.pick_prefill(f.model_name, self.prompt_ids, f.prefill_inflight)
+        if prefill is None:
+            raise RequestFailed(lost.failure.status, f"{lost.failure.message}; no other prefill worker is alive",
+                                lost.failure.type, code=lost.failure.code)
+        return prefill, hit
+
+    async def _attempt(self, preq: PrefillRequest, prefill_id: str, hit: int, t0: float):
+        """One dispatch of the request (as `preq.request_id`) to prefill worker `prefill_id`, then its events to
+        the end (`run`'s items); PrefillLost when that worker dies before any event of it arrived."""
+        f, a = self.front, self.front.args
+        spans = self.spans
+        rid = preq.request_id
+        sub = await f.nc.subscribe(Subjects.stream(f.scope, rid))
+        finished = moving = False
         queued = None  # (prefill worker, tokens) this request adds to its queue until the first token
         try:
             if spans is not None:
                 t_queue = tracing.now_ns()
             try:
-                ack = await self._dispatch(preq, prefill.worker_id)
+                ack = await self._dispatch(preq, prefill_id)
             except RequestFailed as e:
                 if spans is not None:
                     spans.child("front.queue", t_queue, error=e.message)
@@ -690,7 +749,7 @@ class Generation:
             if not ack.accepted:
                 raise RequestFailed(ack.status, f"prefill worker {ack.worker_id} refused the request: {ack.error}",
                                     "invalid_request_error" if ack.status < 500 else "server_error")
-            queued = (ack.worker_id, len(self.prompt_ids) - (hit if ack.worker_id == prefill.worker_id else 0))
+            queued = (ack.worker_id, len(self.prompt_ids) - (hit if ack.worker_id == prefill_id else 0))
             f.prefill_inflight[queued[0]] += queued[1]
             responsible = ("prefill", ack.worker_id)
             pending: dict[int, StreamEvent] = {}
@@ -704,9 +763,13 @@ class Generation:
                 except nats.errors.TimeoutError:
                     now = time.monotonic()
                     if not f.registry.is_alive(*responsible):
-                        raise RequestFailed(502, f"{responsible[0]} worker {responsible[1]} died while serving "
-                                                 f"the request ({f.registry.last_heard(*responsible)})",
-                                            "worker_lost", code="worker_lost")
+                        lost = RequestFailed(502, f"{responsible[0]} worker {responsible[1]} died while serving "
+                                                  f"the request ({f.registry.last_heard(*responsible)})",
+                                             "worker_lost", code="worker_lost")
+                        if responsible[0] == "prefill" and next_seq == 0 and not pending:
+                            moving = True
+                            raise PrefillLost(lost, responsible[1])
+                        raise lost
                     bound = a.first_token_timeout if first_token_at is None else a.token_timeout
                     if now - last_event > bound:
                         raise RequestFailed(504, f"no progress from {responsible[0]} worker {responsible[1]} "
@@ -775,13 +838,8 @@ class Generation:
         finally:
             if queued:
                 self._unqueue(queued)
-            f.inflight[decode.worker_id] -= 1
-            f.inflight_bytes[decode.worker_id] -= kv_bytes
-            if f.inflight[decode.worker_id] <= 0:
-                del f.inflight[decode.worker_id]
-                f.inflight_bytes.pop(decode.worker_id, None)
             if not finished:
-                await self.cancel("request ended early")
+                await self.cancel("moved to another prefill worker" if moving else "request ended early", rid)
             await sub.unsubscribe()
 
 

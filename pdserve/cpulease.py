@@ -6,7 +6,8 @@ it, decode has nothing to do, and its core sits idle through the whole time to f
 hands that core over for exactly those moments, and hands it back before decode's next step:
 
 - decode **holds** the lease (an exclusive `flock` on a file both name) from its first step after being
-  idle until it is idle again; taking it back waits at most for the borrowed step that is running;
+  idle until it is idle again; taking it back waits at most for the borrowed step that is running (and
+  never past `HOLD_WAIT_S`: a frozen borrower costs decode its cores' sharing, not its progress);
 - prefill **borrows** it for one step at a time, only if it is free at that moment (never waiting), and
   runs that step with its own threads plus decode's (which decode wrote into the file).
 
@@ -29,8 +30,10 @@ import fcntl
 import mmap
 import os
 import struct
+import time
 from pathlib import Path
 
+HOLD_WAIT_S = 2.0  # the longest decode waits for a borrowed step before it steps without the lease
 IDLE_OFFSET = 16  # the lent-back word: prefill's idle threads (int32, native byte order); 0 while it works
 _SIZE = 64
 
@@ -44,6 +47,7 @@ class CpuLease:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self.held = False
+        self.waited_out = False  # the owner gave up waiting for a borrowed step; it only tries until it is back
         if os.fstat(self._fd).st_size < _SIZE:
             os.ftruncate(self._fd, _SIZE)  # grows only: a zero word means prefill lends nothing
         self._map = mmap.mmap(self._fd, _SIZE)
@@ -55,11 +59,25 @@ class CpuLease:
         """Say how many threads a borrower gains (the owner's own count)."""
         os.pwrite(self._fd, f"{threads}\n".encode().ljust(16), 0)
 
-    def hold(self) -> None:
-        """Take the lease, waiting while a borrowed step runs."""
-        if not self.held:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            self.held = True
+    def hold(self, wait_s: float = HOLD_WAIT_S) -> bool:
+        """Take the lease, waiting while a borrowed step runs → whether it is held. A borrower still holding it
+        after `wait_s` is frozen or stuck mid-step (SIGSTOP, a debugger, a swap storm): the lease only shares
+        cores, so the owner steps without it rather than stall its requests behind another process, and until
+        the borrower lets go, later calls only try (`waited_out`) — a step never waits for it again."""
+        if self.held:
+            return True
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if self.waited_out or time.monotonic() >= deadline:
+                    self.waited_out = True
+                    return False
+                time.sleep(0.0002)  # a borrowed step ends within milliseconds of this
+                continue
+            self.held, self.waited_out = True, False
+            return True
 
     def release(self) -> None:
         if self.held:

@@ -767,6 +767,8 @@ class PrefillWorker(WorkerBase):
             return
         for job in [j for j in self.jobs if j.req.request_id in self._cancelled and not j.offering]:
             self._cancelled.discard(job.req.request_id)
+            log.info("%s cancelled: dropped with %d of its %d prompt tokens computed", job.req.request_id, job.done,
+                     len(job.token_ids))
             await self.compute(self._drop, job)
             await self._finish_job(job)
             self.m_requests.labels("cancelled").inc()

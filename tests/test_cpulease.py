@@ -120,3 +120,25 @@ def test_prefill_lends_its_idle_threads_to_decode_native_layers_and_takes_them_b
         assert prefill.wait(30) == 0
     decode.close()
     assert CpuLease(path).idle_threads() == 0  # prefill's last word stands for whoever opens it next
+
+
+def test_a_borrower_frozen_mid_step_costs_decode_its_lease_not_its_progress(tmp_path):
+    """A prefill worker stopped (SIGSTOP) or stuck while it holds the lease: decode waits for it `wait_s` once,
+    then steps without the lease, and later steps only try (no wait each step) until the borrower lets go."""
+    path = tmp_path / "lease"
+    decode = CpuLease(path)
+    decode.offer(2)
+    prefill = borrower(path, end="")  # holds until told: frozen mid-step
+    assert decode.hold(wait_s=0.2) is False and decode.waited_out and not decode.held
+    done = threading.Event()
+    trier = threading.Thread(target=lambda: (decode.hold(wait_s=3600), done.set()))
+    trier.start()
+    assert done.wait(30), "a later step waited for the frozen borrower again"
+    trier.join()
+    assert not decode.held
+    prefill.stdin.write("\n")  # it thaws and ends its step
+    prefill.stdin.flush()
+    assert prefill.wait(30) == 0
+    assert decode.hold(wait_s=30) is True and not decode.waited_out
+    assert CpuLease(path).try_borrow() == 0  # decode holds it again
+    decode.close()
