@@ -618,7 +618,14 @@ class DecodeWorker(WorkerBase):
             await asyncio.to_thread(GrammarVocab.compiled, self.runner.tokenizer, self.runner.vocab_size,
                                     self.runner.eos_token_ids, offer.sampling.guided)
         seqs = self._sequences(offer)
-        return [] if all(s.stream.done for s in seqs) else seqs
+        if all(s.stream.done for s in seqs):
+            if offer.resumed:  # the tokens the client has already end it: nobody else will say so
+                for s in seqs:
+                    await self._emit(s, kind="done", finish_reason=s.stream.finish_reason,
+                                     usage=Usage(prompt_tokens=len(offer.prompt_token_ids),
+                                                 completion_tokens=len(s.generated)))
+            return []
+        return seqs
 
     def _sequences(self, offer: HandoffOffer) -> list[Sequence]:
         events, params, tok = EventSeq(offer.next_seq), offer.sampling, self.runner.tokenizer
@@ -640,9 +647,9 @@ class DecodeWorker(WorkerBase):
         None. With n > 1 each choice forks it, less the prompt's last token, which its first step feeds."""
         rid = offer.request_id
         if kv is None:
-            self.engine.prefill(rid, offer.prompt_token_ids)
+            self.engine.prefill(rid, offer.kv_token_ids)
         else:
-            self.engine.import_kv(rid, kv, offer.prompt_token_ids)
+            self.engine.import_kv(rid, kv, offer.kv_token_ids)
         if offer.sampling.n == 1:
             return
         try:

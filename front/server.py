@@ -61,13 +61,13 @@ class RequestFailed(Exception):
         self.status, self.message, self.type, self.code = status, message, type_, code
 
 
-class PrefillLost(Exception):
-    """The prefill worker holding a request went silent before anything of it was streamed: nothing the client
-    has seen depends on that worker, so the request can be dispatched again (`FrontConfig.migration_limit`)."""
+class WorkerLost(Exception):
+    """The worker responsible for one attempt of a request stopped beating (killed, frozen, its node gone).
+    `Generation._move` decides whether the request goes on elsewhere; `failure` is the client's error if not."""
 
-    def __init__(self, failure: RequestFailed, worker_id: str):
+    def __init__(self, failure: RequestFailed, role: str, worker_id: str):
         super().__init__(failure.message)
-        self.failure, self.worker_id = failure, worker_id
+        self.failure, self.role, self.worker_id = failure, role, worker_id
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -591,6 +591,8 @@ class Generation:
         self.cached_tokens = 0  # prompt tokens prefill took from its prefix cache
         self.prepositioned = False  # … some of which pre-positioning computed ahead
         self.attempt_rid = rid  # the request id the workers know: `rid`, then `rid-m1`, … once moved
+        self.first_token_at: float | None = None  # monotonic, across attempts
+        self.last_token_at: float | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -682,8 +684,7 @@ class Generation:
                               else secrets.randbits(63), decode_worker_id=decode.worker_id,
                               failure_policy=a.kv_failure_policy, spec=spec, traceparent=self.traceparent)
         kv_bytes = (len(self.prompt_ids) + self.params.n * self.params.max_tokens) * f.kv_bytes_per_token
-        f.inflight[decode.worker_id] += 1
-        f.inflight_bytes[decode.worker_id] += kv_bytes
+        self._account(decode.worker_id, kv_bytes, 1)
         f.m_prompt_tokens.inc(len(self.prompt_ids))
         try:
             moves = 0
@@ -692,42 +693,68 @@ class Generation:
                     async for item in self._attempt(preq, prefill.worker_id, hit, t0):
                         yield item
                     return
-                except PrefillLost as e:
+                except WorkerLost as e:
                     lost = e
-                prefill, hit = self._move(lost, moves)
+                prefill, hit, moved_to = self._move(lost, moves, decode)
+                if moved_to is not decode:
+                    self._account(decode.worker_id, kv_bytes, -1)
+                    self._account(moved_to.worker_id, kv_bytes, 1)
+                    decode = moved_to
                 moves += 1
-                f.m_moves.labels("prefill").inc()
+                f.m_moves.labels(lost.role).inc()
                 self.attempt_rid = f"{self.rid}-m{moves}"
-                log.warning("%s: %s; dispatched again to prefill worker %s as %s", self.rid, lost.failure.message,
-                            prefill.worker_id, self.attempt_rid)
+                streamed = list(self.choices[0].token_ids) if self.params.n == 1 else []
+                log.warning("%s: %s; moved with %d tokens streamed, as %s (prefill %s, decode %s)", self.rid,
+                            lost.failure.message, len(streamed), self.attempt_rid, prefill.worker_id, decode.worker_id)
                 if spans is not None:
-                    spans.event("moved", **{"pdserve.from_worker": lost.worker_id,
-                                            "pdserve.prefill_worker": prefill.worker_id})
-                preq = preq.model_copy(update={"request_id": self.attempt_rid})
+                    spans.event("moved", **{"pdserve.from_worker": lost.worker_id, "pdserve.streamed_tokens": len(streamed),
+                                            "pdserve.prefill_worker": prefill.worker_id,
+                                            "pdserve.decode_worker": decode.worker_id})
+                preq = preq.model_copy(update={"request_id": self.attempt_rid, "decode_worker_id": decode.worker_id,
+                                               "generated_token_ids": streamed})
         finally:
-            f.inflight[decode.worker_id] -= 1
-            f.inflight_bytes[decode.worker_id] -= kv_bytes
-            if f.inflight[decode.worker_id] <= 0:
-                del f.inflight[decode.worker_id]
-                f.inflight_bytes.pop(decode.worker_id, None)
+            self._account(decode.worker_id, kv_bytes, -1)
 
-    def _move(self, lost: PrefillLost, moves: int):
-        """Where a request goes after its prefill worker died holding it → (prefill worker, its cached tokens);
-        RequestFailed (worker_lost) past `migration_limit` moves or with no other prefill worker alive."""
+    def _account(self, decode_id: str, kv_bytes: int, sign: int) -> None:
+        """Count this request at a decode worker (`sign` 1) or stop counting it there (-1): the router's
+        estimate of each worker's requests and KV bytes in flight."""
         f = self.front
+        f.inflight[decode_id] += sign
+        f.inflight_bytes[decode_id] += sign * kv_bytes
+        if f.inflight[decode_id] <= 0:
+            del f.inflight[decode_id]
+            f.inflight_bytes.pop(decode_id, None)
+
+    def _move(self, lost: WorkerLost, moves: int, decode):
+        """Where a request goes after the worker holding it died → (prefill worker, its cached tokens, decode
+        worker); RequestFailed (the loss, worker_lost) when it cannot move: past `migration_limit` moves, with
+        n > 1 once tokens were streamed (each choice would need its own continuation), or no worker to take it.
+
+        What the client has seen goes with it: the tokens streamed so far, which the new prefill worker computes
+        the KV of beside the prompt; the seed is the request's, so a sampled answer goes on as it would have."""
+        f, why = self.front, None
+        streamed = sum(len(c.token_ids) for c in self.choices)
         if moves >= f.args.migration_limit:
-            raise RequestFailed(lost.failure.status, f"{lost.failure.message}; not moved again: it has been moved "
-                                f"{moves} of --migration-limit {f.args.migration_limit} times",
-                                lost.failure.type, code=lost.failure.code)
-        prefill, hit = f.registry.pick_prefill(f.model_name, self.prompt_ids, f.prefill_inflight)
-        if prefill is None:
-            raise RequestFailed(lost.failure.status, f"{lost.failure.message}; no other prefill worker is alive",
-                                lost.failure.type, code=lost.failure.code)
-        return prefill, hit
+            why = f"not moved again: it has been moved {moves} of --migration-limit {f.args.migration_limit} times"
+        elif streamed and self.params.n > 1:
+            why = f"not moved: {streamed} tokens of its {self.params.n} choices were streamed"
+        else:
+            ids = self.prompt_ids + (self.choices[0].token_ids if self.params.n == 1 else [])
+            if lost.role == "decode" or not f.registry.is_alive("decode", decode.worker_id):
+                decode = f.registry.pick_decode(f.model_name, f.inflight, f.inflight_bytes)
+            prefill, hit = f.registry.pick_prefill(f.model_name, ids, f.prefill_inflight)
+            if decode is None or prefill is None:
+                why = f"no other {'decode' if decode is None else 'prefill'} worker is alive"
+            elif len(ids) >= f.max_context:
+                why = f"its {len(ids)} tokens leave no room to go on"
+        if why is not None:
+            raise RequestFailed(lost.failure.status, f"{lost.failure.message}; {why}", lost.failure.type,
+                                code=lost.failure.code)
+        return prefill, hit, decode
 
     async def _attempt(self, preq: PrefillRequest, prefill_id: str, hit: int, t0: float):
         """One dispatch of the request (as `preq.request_id`) to prefill worker `prefill_id`, then its events to
-        the end (`run`'s items); PrefillLost when that worker dies before any event of it arrived."""
+        the end (`run`'s items); WorkerLost when the worker responsible for it dies."""
         f, a = self.front, self.front.args
         spans = self.spans
         rid = preq.request_id
@@ -755,22 +782,22 @@ class Generation:
             pending: dict[int, StreamEvent] = {}
             next_seq = 0
             last_event = time.monotonic()
-            first_token_at = None
-            last_token_at = None
             while True:
                 try:
                     msg = await sub.next_msg(timeout=0.25)
                 except nats.errors.TimeoutError:
                     now = time.monotonic()
-                    if not f.registry.is_alive(*responsible):
-                        lost = RequestFailed(502, f"{responsible[0]} worker {responsible[1]} died while serving "
-                                                  f"the request ({f.registry.last_heard(*responsible)})",
-                                             "worker_lost", code="worker_lost")
-                        if responsible[0] == "prefill" and next_seq == 0 and not pending:
-                            moving = True
-                            raise PrefillLost(lost, responsible[1])
-                        raise lost
-                    bound = a.first_token_timeout if first_token_at is None else a.token_timeout
+                    # Following prefill, the decode worker it hands the KV to may own the request before its
+                    # "handoff" event reaches us: should that worker die, nobody would say so (prefill's send fails
+                    # on its side, and decode applies the failure policy) — it counts as lost here too.
+                    routed = ("decode", preq.decode_worker_id)
+                    gone = next((w for w in (responsible, routed) if not f.registry.is_alive(*w)), None)
+                    if gone is not None and (gone is responsible or responsible[0] == "prefill"):
+                        lost = RequestFailed(502, f"{gone[0]} worker {gone[1]} died while serving the request "
+                                                  f"({f.registry.last_heard(*gone)})", "worker_lost", code="worker_lost")
+                        moving = True
+                        raise WorkerLost(lost, *gone)
+                    bound = a.first_token_timeout if self.first_token_at is None else a.token_timeout
                     if now - last_event > bound:
                         raise RequestFailed(504, f"no progress from {responsible[0]} worker {responsible[1]} "
                                                  f"for {bound:.0f} s", "timeout", code="timeout")
@@ -801,8 +828,8 @@ class Generation:
                         continue
                     if ev.kind == "token":
                         now = time.monotonic()
-                        if first_token_at is None:
-                            first_token_at = now
+                        if self.first_token_at is None:
+                            self.first_token_at = now
                             f.m_ttft.observe(now - t0)
                             if spans is not None:
                                 spans.event("first_token", **{"pdserve.worker": ev.worker_id})
@@ -812,8 +839,8 @@ class Generation:
                                 self._unqueue(queued)
                                 queued = None
                         else:
-                            f.m_itl.observe(now - last_token_at)
-                        last_token_at = now
+                            f.m_itl.observe(now - self.last_token_at)
+                        self.last_token_at = now
                         choice = self._choice(ev)
                         choice.add(ev)
                         yield choice, ev
@@ -839,7 +866,7 @@ class Generation:
             if queued:
                 self._unqueue(queued)
             if not finished:
-                await self.cancel("moved to another prefill worker" if moving else "request ended early", rid)
+                await self.cancel("its worker was lost" if moving else "request ended early", rid)
             await sub.unsubscribe()
 
 

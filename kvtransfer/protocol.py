@@ -333,6 +333,10 @@ class PrefillRequest(Traced):
     decode_worker_id: str
     failure_policy: FailurePolicy = "recompute"
     spec: dict | None = None  # speculation overrides for this request (method, max_k, enabled)
+    # A request moved off a worker that died (`FrontConfig.migration_limit`): the tokens the client has already
+    # been sent. Prefill computes the KV of the prompt and all of them but the last, samples nothing, and hands
+    # them over with it (`HandoffOffer.resumed`); one choice only.
+    generated_token_ids: list[int] = Field(default_factory=list)
 
 
 class PrepositionHint(Message):
@@ -386,6 +390,16 @@ class HandoffOffer(Traced):
     # prompt tokens waiting at prefill ahead of it; a refusal leaves the prompt with prefill.
     kv_deferred: bool = False
     queue_ahead_tokens: NonNegativeInt = 0
+    # A moved request (`PrefillRequest.generated_token_ids`): its generated tokens reached the client through an
+    # earlier attempt, so decode emits none of them (the stream starts at seq 0) and, should they already end it
+    # (a stop, max_tokens), says "done" itself.
+    resumed: bool = False
+
+    @property
+    def kv_token_ids(self) -> list[int]:
+        """The tokens whose KV the offer carries: the prompt and every generated token but the last, which
+        decode's first step feeds."""
+        return self.prompt_token_ids + self.generated_token_ids[:-1]
 
 
 class HandoffReply(Message):

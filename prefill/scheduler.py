@@ -92,11 +92,13 @@ def borrows_threads(*, hint_step: bool, chunks: int, prompts_queued: int, tokens
 
 
 def streams_layers(*, hint: bool, chunk: int, remaining: int, max_tokens: int, choices: int,
-                   streaming: bool) -> bool:
+                   streaming: bool, resumed: bool = False) -> bool:
     """Whether a prompt's KV streams to decode layer by layer during this step: its last chunk (`chunk` is all
-    that `remaining` needs), a request (not a hint) that decodes past its first token, with one choice, and not
-    streaming already."""
-    return not hint and chunk == remaining and max_tokens > 1 and choices == 1 and not streaming
+    that `remaining` needs), a request (not a hint) that decodes past its first token, with one choice, not
+    streaming already, and not a moved request (`resumed`: its offer carries the tokens generated so far, not a
+    first token to follow)."""
+    return (not hint and chunk == remaining and max_tokens > 1 and choices == 1 and not streaming
+            and not resumed)
 
 
 def ahead_tokens(queue: Sequence[Waiting], before: int | None = None) -> int:
@@ -106,12 +108,13 @@ def ahead_tokens(queue: Sequence[Waiting], before: int | None = None) -> int:
 
 
 def defer_ahead(*, defer_tokens: int, choices: int, prompt_tokens: int, cached_tokens: int,
-                ahead: int) -> int | None:
+                ahead: int, resumed: bool = False) -> int | None:
     """Conditional disaggregation, prefill's half: `ahead` (the tokens it would wait behind here) if the prompt is
     offered to decode uncomputed, else None. Offered when the queue ahead is at least `defer_tokens` (0: never),
     the prompt has one choice and 2 or more tokens, and less than half of it is in this worker's prefix cache
-    (a cached prompt is cheap here)."""
-    if not defer_tokens or choices != 1 or prompt_tokens < 2:
+    (a cached prompt is cheap here), and it is not a moved request (`resumed`: decode's uncomputed path starts
+    at the first token)."""
+    if not defer_tokens or choices != 1 or prompt_tokens < 2 or resumed:
         return None
     if ahead < defer_tokens or 2 * cached_tokens >= prompt_tokens:
         return None

@@ -288,13 +288,22 @@ class PrefillWorker(WorkerBase):
             vocab = self.runner.config.vocab_size
             if min(ids) < 0 or max(ids) >= vocab:
                 raise ProtocolError(f"prompt token ids must lie in 0..{vocab - 1}")
+            if gen := req.generated_token_ids:  # a moved request: its KV covers what was generated too
+                if req.sampling.n != 1:
+                    raise ProtocolError(f"a request with generated tokens has one choice, not n={req.sampling.n}")
+                if min(gen) < 0 or max(gen) >= vocab:
+                    raise ProtocolError(f"generated token ids must lie in 0..{vocab - 1}")
+                if len(ids) + len(gen) >= self.runner.max_context:
+                    raise ProtocolError(f"prompt and generated tokens ({len(ids)} + {len(gen)}) must be fewer "
+                                        f"than {self.runner.max_context}")
         except ProtocolError as e:
             await msg.respond(Ack(accepted=False, worker_id=self.worker_id, error=str(e), status=400).encode())
             return
         await msg.respond(Ack(accepted=True, worker_id=self.worker_id).encode())
         if req.sampling.guided is not None and req.sampling.n == 1:
             await self._compile_grammar(req)
-        job = Job(f"req-{next(_JOB_IDS)}-{req.request_id}", list(req.prompt_token_ids), time.monotonic(), req)
+        job = Job(f"req-{next(_JOB_IDS)}-{req.request_id}", req.prompt_token_ids + req.generated_token_ids[:-1],
+                  time.monotonic(), req)
         job.trace = tracing.start_request("prefill.request", req.traceparent, **{
             "pdserve.request_id": req.request_id, "pdserve.worker": self.worker_id,
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
@@ -333,7 +342,8 @@ class PrefillWorker(WorkerBase):
         at = next((i for i, j in enumerate(self.jobs) if j is job), None)
         return scheduler.defer_ahead(defer_tokens=self.defer_tokens, choices=job.req.sampling.n,
                                      prompt_tokens=len(job.token_ids), cached_tokens=self._local_prefix(job.token_ids),
-                                     ahead=scheduler.ahead_tokens(self._waiting(), at))
+                                     ahead=scheduler.ahead_tokens(self._waiting(), at),
+                                     resumed=bool(job.req.generated_token_ids))
 
     def _reoffer(self) -> None:
         """Offer decode the last prompt still waiting here, once per step (scheduler, between steps).
@@ -510,7 +520,8 @@ class PrefillWorker(WorkerBase):
         if self.stream_layers:
             self._stream_candidates = [j for j, n in batch if scheduler.streams_layers(
                 hint=j.hint, chunk=n, remaining=j.remaining, max_tokens=j.req.sampling.max_tokens if j.req else 0,
-                choices=j.req.sampling.n if j.req else 0, streaming=j.stream is not None)]
+                choices=j.req.sampling.n if j.req else 0, streaming=j.stream is not None,
+                resumed=bool(j.req and j.req.generated_token_ids))]
         try:
             logits = self._forward(batch)
         finally:
@@ -561,7 +572,7 @@ class PrefillWorker(WorkerBase):
         choice from the shared prompt KV, one batched step for all; GrammarDeadEnd when its grammar allows no
         first token."""
         params = req.sampling
-        if params.n > 1:
+        if params.n > 1 or req.generated_token_ids:  # a moved request's next token is decode's to sample
             return None
         proc = make_processor(params, req.prompt_token_ids, [], logits.shape[-1], self.runner.tokenizer,
                               self.runner.eos_token_ids)
@@ -816,7 +827,7 @@ class PrefillWorker(WorkerBase):
                 self.preposition_hits += 1
                 self.m_pp.labels("hit").inc()
             if choice is None:
-                await self._handoff(req, kv, [], spans)
+                await self._handoff(req, kv, list(req.generated_token_ids), spans)
                 if self.prefix_store is not None:
                     await self._offload(job, kv)
                 return
@@ -866,7 +877,8 @@ class PrefillWorker(WorkerBase):
             request_id=req.request_id, sender_id=self.worker_id, sender_generation=self.generation, layout=layout,
             num_tokens=num_tokens, kv_bytes=kv_bytes, prompt_token_ids=req.prompt_token_ids,
             generated_token_ids=generated, first_token_pending=first_token_pending, sampling=req.sampling,
-            seed=req.seed, next_seq=len(generated) or int(first_token_pending), failure_policy=req.failure_policy,
+            seed=req.seed, next_seq=0 if req.generated_token_ids else len(generated) or int(first_token_pending),
+            resumed=bool(req.generated_token_ids), failure_policy=req.failure_policy,
             spec=req.spec, traceparent=req.traceparent, **extra,
             **self.kv_channel.offer_fields(),
         )

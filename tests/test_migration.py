@@ -1,23 +1,26 @@
-"""A request moves when its prefill worker dies before the handoff, against real processes: two prefill
-workers, one decode worker, a real NATS server and the front over loopback HTTP.
+"""A request moves when the worker holding it dies, against real processes: two prefill workers, two decode
+workers, a real NATS server and the front over loopback HTTP.
 
-Nothing of such a request has been streamed, so the client must see nothing: a 200 with the answer an
-uninterrupted run gives (greedy: `transformers`'; seeded: the same request sent again), whether the
-worker was killed (SIGKILL) or frozen (SIGSTOP) past its heartbeat bound. A frozen worker that thaws drops
-the attempt it held (the front cancelled it). Past `--migration-limit` moves the request fails as it did
-before migration, with `worker_lost`.
+The client must see nothing of it: a 200 (or a whole SSE stream) with the answer an uninterrupted run gives
+(greedy: `transformers`'; seeded: the same request sent again), no token repeated or missing, whether the
+worker was killed (SIGKILL) or frozen (SIGSTOP) past its heartbeat bound, before the handoff (prefill) or
+mid-stream (decode: the tokens streamed so far go with the request, and the new prefill worker computes
+their KV beside the prompt's). A frozen worker that thaws drops the attempt it held (the front cancelled
+it). Past `--migration-limit` moves the request fails as it did before migration, with `worker_lost`.
 """
 from __future__ import annotations
 
+import json
 import signal
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from pdserve.local import LocalCluster
-from servinghelpers import NatsWatch, accepted_by, hf_greedy, metric, post, wait_for
+from servinghelpers import NatsWatch, accepted_by, decoded_by, hf_greedy, metric, post, stream_subjects, wait_for
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -28,7 +31,7 @@ LONG = (Path(__file__).parent / "data" / "long_prompt.txt").read_text()
 def cluster(nats_server, model_dir):
     # small chunks: a long prompt stays at prefill for many steps, so a worker is stopped while it holds it;
     # one move allowed, so a request whose second prefill worker dies too fails
-    c = LocalCluster(str(model_dir), 2, 1, nats=nats_server.creds, worker_args={
+    c = LocalCluster(str(model_dir), 2, 2, nats=nats_server.creds, worker_args={
         "prefill": ["--chunk-size", "32"], "front": ["--migration-limit", "1"]})
     c.start()
     yield c
@@ -85,7 +88,7 @@ def test_a_prefill_worker_killed_holding_a_prompt_is_invisible_to_the_client(clu
     assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == 8
     assert _moves(cluster) == before + 1
     log = (cluster.log_dir / "front.log").read_text()
-    assert f"prefill worker {killed} died while serving the request" in log and "dispatched again" in log
+    assert f"prefill worker {killed} died while serving the request" in log and "moved with 0 tokens streamed" in log
     cluster.restart(killed)
 
 
@@ -145,7 +148,7 @@ def test_decode_refuses_the_offer_of_a_request_cancelled_before_it(cluster, mode
     import nats
 
     from pdserve.basetypes import KVLayout, SamplingParams
-    from pdserve.kvtransfer.protocol import Cancel, HandoffOffer, HandoffReply, Subjects
+    from pdserve.kvtransfer.protocol import Cancel, HandoffOffer, HandoffReply, StreamEvent, Subjects
     from pdserve.modelstore import model_fingerprint
 
     ids = hf[0].encode("The three primary colours are", add_special_tokens=False)
@@ -163,10 +166,132 @@ def test_decode_refuses_the_offer_of_a_request_cancelled_before_it(cluster, mode
             await nc.flush()
             refused = HandoffReply.decode((await nc.request(Subjects.decode_handoff(cluster.scope, "decode-0"),
                                                             offer.encode(), timeout=10)).data)
+            sub = await nc.subscribe(Subjects.stream(cluster.scope, offer.request_id))
             again = HandoffReply.decode((await nc.request(Subjects.decode_handoff(cluster.scope, "decode-0"),
                                                           offer.encode(), timeout=10)).data)
+            while again.accepted and StreamEvent.decode((await sub.next_msg(timeout=60)).data).kind != "done":
+                pass  # decode computes it: let it end before the next test watches decode's tokens
             return refused, again
 
     refused, again = asyncio.run(go())
     assert not refused.accepted and "cancelled before its handoff" in refused.error
     assert again.accepted  # the cancel is spent: the id is not refused forever
+
+
+def _decoding(subject, data) -> str | None:
+    """NatsWatch match: the decode worker that sent a token event."""
+    return next((w for w in ("decode-0", "decode-1") if decoded_by(w)(subject, data)), None)
+
+
+def _killed_mid_stream(cluster, send, tokens_first: int = 3):
+    """`send()` (in a thread) → its result, the decode worker serving it killed once it streamed `tokens_first`
+    token events; → (result, the killed worker)."""
+    with NatsWatch(cluster.creds, stream_subjects()) as watch, ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(send)
+        worker = watch.wait(_decoding, "a decode worker's first token", 120)
+        for _ in range(tokens_first - 1):
+            watch.wait(decoded_by(worker), f"{worker}'s next token", 60)
+        cluster.kill(worker)
+        result = reply.result()
+    return result, worker
+
+
+def test_a_decode_worker_killed_mid_stream_is_invisible_to_the_client(cluster, hf):
+    ids = hf[0].encode("Write a short story about a lighthouse keeper who", add_special_tokens=False)
+    before = _moves(cluster)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 96, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    (status, out), killed = _killed_mid_stream(cluster, lambda: post(cluster.url + "/v1/completions", body))
+    try:
+        assert status == 200, out
+        assert out["choices"][0]["token_ids"] == hf_greedy(hf, ids, 96, exact=True)
+        assert out["usage"]["completion_tokens"] == 96 and out["choices"][0]["finish_reason"] == "length"
+        assert _moves(cluster) == before + 1
+        moved = [ln for ln in (cluster.log_dir / "front.log").read_text().splitlines()
+                 if out["id"] in ln and "moved with" in ln]
+        assert len(moved) == 1 and f"decode worker {killed} died" in moved[0], moved
+        streamed = int(moved[0].split("moved with ")[1].split()[0])
+        assert 3 <= streamed < 96  # it moved mid-stream, with what the client had
+    finally:
+        cluster.restart(killed)
+
+
+def _sse(url: str, body: dict) -> list[dict | str]:
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[len("data: "):]))
+    return events
+
+
+def test_a_seeded_stream_moved_off_a_dead_decode_worker_is_its_uninterrupted_replay(cluster, hf):
+    body = {"model": MODEL, "prompt": "Once upon a time, in a small village by the sea,", "max_tokens": 80,
+            "temperature": 0.9, "top_p": 0.95, "seed": 2024, "ignore_eos": True}
+    events, killed = _killed_mid_stream(cluster, lambda: _sse(cluster.url + "/v1/completions", body))
+    try:
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
+        text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+        status, replay = post(cluster.url + "/v1/completions", {**body, "return_token_ids": True})
+        assert status == 200, replay
+        assert text == replay["choices"][0]["text"]  # no token's text repeated, none missing
+        finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
+        assert finish == ["length"]
+    finally:
+        cluster.restart(killed)
+
+
+def _resumed(cluster, hf, rid: str, generated: list[int], **sampling) -> tuple["Ack", list]:
+    """Dispatch a moved request (its tokens so far in `generated`) to prefill-0 as the front does → (its
+    acknowledgement, the events of its stream up to done or error)."""
+    import asyncio
+
+    import nats
+
+    from pdserve.basetypes import SamplingParams
+    from pdserve.kvtransfer.protocol import Ack, PrefillRequest, StreamEvent, Subjects
+
+    ids = hf[0].encode("The three primary colours are", add_special_tokens=False)
+    req = PrefillRequest(request_id=rid, model=MODEL, prompt_token_ids=ids, seed=5, decode_worker_id="decode-1",
+                         sampling=SamplingParams(**{"temperature": 0, "ignore_eos": True, **sampling}),
+                         generated_token_ids=generated)
+
+    async def go():
+        async with await nats.connect(**cluster.creds.connect_kwargs()) as nc:
+            sub = await nc.subscribe(Subjects.stream(cluster.scope, rid))
+            ack = Ack.decode((await nc.request(Subjects.prefill_worker(cluster.scope, MODEL, "prefill-0"),
+                                               req.encode(), timeout=10)).data)
+            events = []
+            while ack.accepted and (not events or events[-1].kind not in ("done", "error")):
+                events.append(StreamEvent.decode((await sub.next_msg(timeout=60)).data))
+            return ack, events
+    return asyncio.run(go())
+
+
+def test_a_moved_request_whose_streamed_tokens_already_end_it_gets_its_done(cluster, hf):
+    """Decode died after streaming the last token, before its "done": the new decode worker replays the tokens,
+    finds the answer complete and says so, with the whole usage (the client must not wait for a silence bound)."""
+    ids = hf[0].encode("The three primary colours are", add_special_tokens=False)
+    tokens = hf_greedy(hf, ids, 6, exact=True)
+    ack, events = _resumed(cluster, hf, "resumed-complete", tokens, max_tokens=6)
+    assert ack.accepted, ack
+    assert [e.kind for e in events] == ["done"] and events[0].seq == 0, events
+    assert events[0].finish_reason == "length" and events[0].usage.completion_tokens == 6
+
+
+def test_a_moved_request_goes_on_from_its_tokens_and_bad_ones_are_refused(cluster, hf):
+    ids = hf[0].encode("The three primary colours are", add_special_tokens=False)
+    want = hf_greedy(hf, ids, 12, exact=True)
+    ack, events = _resumed(cluster, hf, "resumed-midway", want[:5], max_tokens=12)
+    assert ack.accepted, ack
+    assert events[0].kind == "handoff" and events[-1].kind == "done", events
+    assert want[:5] + [t for e in events if e.kind == "token" for t in e.token_ids] == want
+    assert events[-1].usage.completion_tokens == 12
+
+    ack, _ = _resumed(cluster, hf, "resumed-n2", want[:2], max_tokens=12, n=2)
+    assert not ack.accepted and ack.status == 400 and "one choice, not n=2" in ack.error
+    ack, _ = _resumed(cluster, hf, "resumed-vocab", [want[0], 10**6], max_tokens=12)
+    assert not ack.accepted and ack.status == 400 and "generated token ids must lie in" in ack.error
