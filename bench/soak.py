@@ -461,8 +461,18 @@ class Soak:
             t.join(REQUEST_BOUND_S + 10)
             if t.is_alive():
                 self.tally.violations.append("a client thread is still waiting on its request past the bound")
+        moved = self.moves()  # before `leaks`, which stops the deployment
         leaks = self.leaks()
-        return self.report(load_s, capacity_s, leaks)
+        return {**self.report(load_s, capacity_s, leaks), "moved": moved}
+
+    def moves(self) -> dict[str, int]:
+        """Requests the front moved off a worker that died holding them, by that worker's role (each one a
+        failure the client did not see: `FrontConfig.migration_limit`)."""
+        import urllib.request
+
+        text = urllib.request.urlopen(self.cluster.url + "/metrics", timeout=5).read().decode()
+        return {line.split('role="')[1].split('"')[0]: int(float(line.split()[-1])) for line in text.splitlines()
+                if line.startswith("pdserve_request_moves_total{")}
 
     def capacity(self, since: float) -> float:
         """Seconds from the last fault until every worker is registered and a round of one request per
@@ -570,6 +580,8 @@ def print_report(r: dict) -> None:
     print(f"\nsoak (seed {r['seed']}): {r['load_seconds']} s of load and faults")
     print(f"  requests sent {r['requests_sent']}: correct {r['correct']}, failed cleanly {r['failed_cleanly']}, "
           f"wrong {r['wrong']}, lost {r['lost']}")
+    print("  moved off a dead worker (the client saw nothing): " + (", ".join(
+        f"{role} {n}" for role, n in sorted(r.get("moved", {}).items())) or "none"))
     print(f"  faults injected {r['faults_total']}: " + ", ".join(f"{k} {v}" for k, v in sorted(r["faults"].items())))
     print("  recovery (injection → all workers ready), seconds:")
     for k, v in sorted(r["recovery_seconds"].items()):

@@ -309,9 +309,9 @@ class FrontConfig(ProcessConfig):
     token_timeout: float = Field(60.0, gt=0, description="seconds of silence allowed between tokens")
     max_model_len: int | None = Field(None, ge=2, description="longest prompt + output served, in tokens (as "
                                       "vLLM's --max-model-len): at most the model's context, which is the default")
-    migration_limit: int = Field(2, ge=0, description="times a request whose prefill worker dies before its "
-                                 "handoff is dispatched again to another (invisible to the client: nothing was "
-                                 "streamed yet); 0: such a request fails with worker_lost")
+    migration_limit: int = Field(2, ge=0, description="times a request whose worker dies holding it is moved to "
+                                 "others, with the tokens already streamed (invisible to the client); 0: it fails "
+                                 "with worker_lost")
     kv_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="when a request's KV is lost in transit: recompute it on decode, or fail")
     preposition: bool = Field(True, description="after each request, hint its prefill worker to pre-compute the "
