@@ -56,7 +56,8 @@ from pdserve.kvtransfer.channel import KVReceiveChannel
 from pdserve.kvtransfer.frames import TransferError
 from pdserve.grammar import GrammarDeadEnd, GrammarVocab
 from pdserve.kvtransfer.protocol import (
-    DECODE_QUEUE_GROUP, Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects, Usage,
+    DECODE_QUEUE_GROUP, WORKER_STOPPED, Cancel, HandoffOffer, HandoffReply, ProtocolError, StreamEvent, Subjects,
+    Usage,
 )
 from pdserve.kvtransfer.tcp_server import KVReceiver
 from pdserve.processors import SequenceProcessor, make_processor, token_logprobs
@@ -339,7 +340,7 @@ class DecodeWorker(WorkerBase):
         being resumed or prefilled, and requests whose KV had not arrived (their receive is cancelled next)."""
         await self._leave(self._own_offers)
         error = dict(kind="error", error=f"decode worker {self.worker_id} stopped before finishing the request "
-                     f"(drain timeout {self.args.drain_timeout:g} s)", error_type="unavailable", status=503)
+                     f"(drain timeout {self.args.drain_timeout:g} s)", error_type=WORKER_STOPPED, status=503)
         held = [*self.running.values(), *self.prefilling.values(), *self.preempted,
                 *([self._resuming] if self._resuming else [])]
         for s in held:

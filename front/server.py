@@ -40,7 +40,7 @@ from pdserve.front.toolcalls import ToolCallStream, extract, family_for_template
 from pdserve.introspect import register_runtime_metrics
 from pdserve.front.responses import TokenTexts, chat_logprobs, completion_logprobs
 from pdserve.kvtransfer.protocol import (
-    Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects, TokenLogprob,
+    WORKER_STOPPED, Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects, TokenLogprob,
 )
 from pdserve.natsserver import NatsCredentials, close_connection
 from pdserve import logs, tracing
@@ -812,6 +812,10 @@ class Generation:
                     ev = pending.pop(next_seq)
                     next_seq += 1
                     if ev.kind == "error":
+                        if ev.error_type == WORKER_STOPPED:  # a planned exit left it unfinished: it moves
+                            moving = True
+                            raise WorkerLost(RequestFailed(503, ev.error or "its worker stopped", "unavailable",
+                                                           code="unavailable"), *responsible)
                         raise RequestFailed(ev.status or 500, ev.error or "worker error", ev.error_type or "server_error",
                                             code=ev.error_type)
                     if ev.kind == "handoff":

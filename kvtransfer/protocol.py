@@ -480,12 +480,18 @@ class StreamEvent(Message):
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
-    error_type: str | None = None
+    error_type: str | None = None  # WORKER_STOPPED: the worker left it unfinished, and the front may move it
     status: int | None = None
     kv_bytes: NonNegativeInt | None = None
     kv_seconds: float | None = None
     cached_tokens: int | None = None  # first token event: prompt tokens served from the prefix cache
     prepositioned: bool | None = None  # … of which some were computed ahead by pre-positioning
+
+
+# The error type of a request a worker stopped holding (SIGTERM, scale-down, a rollout: its drain timeout passed).
+# Not the client's error: the front moves the request to other workers, and only past `--migration-limit` (or with
+# none to take it) tells the client, as "unavailable".
+WORKER_STOPPED = "worker_stopped"
 
 
 class Cancel(Message):

@@ -66,7 +66,7 @@ from pdserve.kvtransfer.channel import KVSendChannel
 from pdserve.kvtransfer.frames import TransferError
 from pdserve.kvtransfer.protocol import (
     PREFILL_QUEUE_GROUP, Ack, Cancel, HandoffOffer, HandoffReply, PrefillRequest, PrepositionHint, ProtocolError,
-    Buckets, StreamEvent, Subjects, Usage,
+    WORKER_STOPPED, Buckets, StreamEvent, Subjects, Usage,
 )
 from pdserve.kvtransfer.shm import SENDER_MAPS
 from pdserve.grammar import GrammarDeadEnd, GrammarError, GrammarVocab
@@ -268,7 +268,8 @@ class PrefillWorker(WorkerBase):
         """Past the drain timeout: fail every prompt still queued, naming why."""
         for job in list(self.jobs):
             await self._finish_job(job, error=f"prefill worker {self.worker_id} stopped before computing the "
-                                              f"prompt (drain timeout {self.args.drain_timeout:g} s)", status=503)
+                                              f"prompt (drain timeout {self.args.drain_timeout:g} s)", status=503,
+                                   error_type=WORKER_STOPPED)
 
     async def _on_cancel(self, msg) -> None:
         try:
@@ -759,7 +760,8 @@ class PrefillWorker(WorkerBase):
                 "pdserve.step.tokens": total, "pdserve.step.prompts": len(plan)})
             job.trace.marks["computed"] = t1_ns
 
-    async def _finish_job(self, job: Job, error: str | None = None, status: int = 500) -> None:
+    async def _finish_job(self, job: Job, error: str | None = None, status: int = 500,
+                          error_type: str | None = None) -> None:
         """Take a request out of the queue; with `error`, report it on the request's stream."""
         if job.hint:
             self.hint_job = None
@@ -770,8 +772,8 @@ class PrefillWorker(WorkerBase):
         if error is not None and job.trace is not None:
             job.trace.end(error=error)
         if error is not None:
-            await self._fail(job.req, 0, error, status=status, error_type="server_error" if status == 500
-                             else "unavailable")
+            await self._fail(job.req, 0, error, status=status, error_type=error_type or (
+                "server_error" if status == 500 else "unavailable"))
 
     async def _drop_cancelled(self) -> None:
         if not self._cancelled:

@@ -31,7 +31,7 @@ LONG = (Path(__file__).parent / "data" / "long_prompt.txt").read_text()
 def cluster(nats_server, model_dir):
     # small chunks: a long prompt stays at prefill for many steps, so a worker is stopped while it holds it;
     # one move allowed, so a request whose second prefill worker dies too fails
-    c = LocalCluster(str(model_dir), 2, 2, nats=nats_server.creds, worker_args={
+    c = LocalCluster(str(model_dir), 2, 2, nats=nats_server.creds, drain_timeout=1, worker_args={
         "prefill": ["--chunk-size", "32"], "front": ["--migration-limit", "1"]})
     c.start()
     yield c
@@ -295,3 +295,27 @@ def test_a_moved_request_goes_on_from_its_tokens_and_bad_ones_are_refused(cluste
     assert not ack.accepted and ack.status == 400 and "one choice, not n=2" in ack.error
     ack, _ = _resumed(cluster, hf, "resumed-vocab", [want[0], 10**6], max_tokens=12)
     assert not ack.accepted and ack.status == 400 and "generated token ids must lie in" in ack.error
+
+
+def test_a_decode_worker_stopped_mid_stream_moves_what_it_could_not_finish(cluster, hf):
+    """A planned exit (SIGTERM: a scale-down, a rollout) with a generation longer than the drain timeout: the
+    worker finishes what it can, then the rest moves (`WORKER_STOPPED`), and the client gets the whole answer."""
+    ids = hf[0].encode("List the countries of Europe and their capitals:", add_special_tokens=False)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 320, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    before = _moves(cluster)
+    with NatsWatch(cluster.creds, stream_subjects()) as watch, ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(post, cluster.url + "/v1/completions", body)
+        worker = watch.wait(_decoding, "a decode worker's first token", 120)
+        cluster.send_signal(worker, signal.SIGTERM)  # drains for 1 s: too short for 320 tokens
+        status, out = reply.result()
+    try:
+        assert status == 200, out
+        assert out["choices"][0]["token_ids"] == hf_greedy(hf, ids, 320, exact=True)
+        assert _moves(cluster) == before + 1
+        assert cluster.procs[worker].wait(30) == 0  # a drain, not a crash
+        moved = [ln for ln in (cluster.log_dir / "front.log").read_text().splitlines()
+                 if out["id"] in ln and "moved with" in ln]
+        assert len(moved) == 1 and f"decode worker {worker} stopped before finishing" in moved[0], moved
+    finally:
+        cluster.restart(worker)
