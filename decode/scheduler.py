@@ -157,3 +157,40 @@ def draft_room(*, max_tokens: int, generated: int, prompt_tokens: int, max_conte
     """How many tokens a sequence may still draft this step: what its `max_tokens` and the model's context leave
     after the token the step commits anyway."""
     return min(max_tokens - generated - 1, max_context - prompt_tokens - generated - 1)
+
+
+class EarlyCancels:
+    """Cancels of requests this worker does not hold (yet): every decode worker hears every cancel, and the one
+    whose offer is still on its way — a prefill worker frozen past its bound and thawed, a handoff in flight —
+    must refuse it when it comes (`take`). Most never come (the request was another worker's), so the set is
+    bounded: an id is forgotten `ttl_s` after its cancel, and past `most` ids the oldest go first. `clock` is
+    injectable (seconds, monotonic)."""
+
+    def __init__(self, ttl_s: float = 600.0, most: int = 65536, clock: Callable[[], float] | None = None):
+        import time
+
+        self.ttl_s, self.most = ttl_s, most
+        self.clock = clock or time.monotonic
+        self._ids: OrderedDict[str, float] = OrderedDict()
+
+    def add(self, rid: str) -> None:
+        self._ids[rid] = self.clock()
+        self._ids.move_to_end(rid)
+        self._expire()
+
+    def take(self, rid: str) -> bool:
+        """Whether `rid` was cancelled (and still remembered); a cancel is spent by the one request it names."""
+        self._expire()
+        return self._ids.pop(rid, None) is not None
+
+    def __contains__(self, rid: str) -> bool:
+        self._expire()
+        return rid in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def _expire(self) -> None:
+        cutoff = self.clock() - self.ttl_s
+        while self._ids and (len(self._ids) > self.most or next(iter(self._ids.values())) < cutoff):
+            self._ids.popitem(last=False)

@@ -166,7 +166,7 @@ class DecodeWorker(WorkerBase):
         self._any_offers = None  # the model's queue group, left on drain
         self.running: OrderedDict[str, Sequence] = OrderedDict()
         self.receiving = 0
-        self._cancelled: set[str] = set()
+        self._cancelled = scheduler.EarlyCancels()  # cancels of requests not (yet) held here
         self._traces: dict[str, tracing.RequestSpans] = {}  # request id -> its spans here (only while tracing)
         self._wake = asyncio.Event()
         self._recent_itl: deque[float] = deque(maxlen=64)
@@ -373,10 +373,9 @@ class DecodeWorker(WorkerBase):
         if self.draining:
             await msg.respond(refuse(f"decode worker {self.worker_id} is draining").encode())
             return
-        if offer.request_id in self._cancelled:
+        if self._cancelled.take(offer.request_id):
             # cancelled before it was offered: a prefill worker frozen past its bound thawed with a request the
             # front has since moved elsewhere (or whose client went away); its KV is not wanted
-            self._cancelled.discard(offer.request_id)
             await msg.respond(refuse(f"request {offer.request_id} was cancelled before its handoff",
                                      logging.INFO).encode())
             return
@@ -479,8 +478,7 @@ class DecodeWorker(WorkerBase):
         try:
             seqs = await self._continuation(offer, None)  # one, with nothing generated yet
             await self._emit(seqs[0], kind="handoff", kv_bytes=0, kv_seconds=0.0)
-            if rid in self._cancelled:
-                self._cancelled.discard(rid)
+            if self._cancelled.take(rid):
                 self.m_local.labels("cancelled").inc()
                 return
             self.prefilling[seqs[0].key] = seqs[0]
@@ -589,8 +587,7 @@ class DecodeWorker(WorkerBase):
             self.receiving_tokens -= offer.num_tokens
             self._receiving_offers.pop(rid, None)
             self._wake.set()  # admitted, or failed: either changes what the loop can do
-        if rid in self._cancelled:
-            self._cancelled.discard(rid)
+        if self._cancelled.take(rid):
             for s in seqs:
                 self.engine.free(s.key)
             self._end_trace(rid, "cancelled")
@@ -880,7 +877,7 @@ class DecodeWorker(WorkerBase):
                 self._resuming = None
             if s.request_id in self._cancelled:  # cancelled while its KV was recomputed (it was in neither set)
                 if not any(p.request_id == s.request_id for p in self.preempted):
-                    self._cancelled.discard(s.request_id)
+                    self._cancelled.take(s.request_id)
                 self._release(s)
                 continue
             s.last_step = -1  # it waited for memory, not for its turn: a fresh start in the rotation

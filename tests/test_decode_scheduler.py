@@ -9,6 +9,7 @@ from collections import OrderedDict
 import pytest
 
 from pdserve.decode.scheduler import (
+    EarlyCancels,
     IDLE_PREFILL_CHUNK,
     Load,
     OutOfBlocksPlan,
@@ -192,3 +193,24 @@ def test_next_batch_takes_turns_and_moves_the_stepped_to_the_back():
     assert next_batch(running, 2) == ["A", "B"] and list(running) == ["c", "d", "e", "a", "b"]
     assert next_batch(running, 8) == ["C", "D", "E", "A", "B"] and list(running) == ["c", "d", "e", "a", "b"]
     assert next_batch(OrderedDict(), 4) == []
+
+
+def test_early_cancels_are_spent_once_and_forgotten_after_their_ttl_or_past_the_bound():
+    now = [0.0]
+    seen = EarlyCancels(ttl_s=60, most=3, clock=lambda: now[0])
+    seen.add("a")
+    assert "a" in seen and seen.take("a") and not seen.take("a")  # one request per cancel
+    seen.add("b")
+    now[0] = 59.0
+    seen.add("c")
+    assert "b" in seen
+    now[0] = 61.0  # b's cancel is older than the ttl: forgotten; c's is not
+    assert "b" not in seen and "c" in seen
+    for rid in "defg":
+        seen.add(rid)
+    assert len(seen) == 3 and "c" not in seen and "d" not in seen  # the oldest went first
+    assert all(rid in seen for rid in "efg")
+    seen.add("e")  # cancelled again: its clock starts over, and it is the newest
+    now[0] = 61.0 + 59.0
+    seen.add("h")
+    assert "e" in seen and "f" not in seen
