@@ -223,6 +223,9 @@ SPEC_SCHEMA = _obj({
         "port": _i(1, maximum=65535, default=8000),
         "serviceType": _s(enum=["ClusterIP", "NodePort", "LoadBalancer"], default="ClusterIP"),
         "apiKeySecret": _SECRET_KEY_REF,
+        "migrationLimit": _i(0, maximum=16, default=2, description=(
+            "Times a request whose worker dies or is stopped holding it moves to other workers, with the tokens "
+            "already streamed: invisible to the client. 0: such a request fails with worker_lost.")),
     }, default={}),
     "autoscaling": _obj({
         "prefillDecodeRatio": _obj({

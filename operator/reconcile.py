@@ -194,6 +194,7 @@ def settings(body: dict, spec: dict, config: OperatorConfig, pool: str) -> Setti
         isvc=body["metadata"]["name"], pool=pool, nats=nats)
     if pool == "front":
         values.update(host="0.0.0.0", port=spec["serving"]["port"], kv_failure_policy=t["failurePolicy"],
+                      migration_limit=spec["serving"].get("migrationLimit", 2),
                       preposition=pc.get("prepositioning", True), kv_dtype=spec["decode"]["kv"]["dtype"])
     elif pool == DRAFT_POOL:
         dp = spec["speculation"].get("draftPool") or {}

@@ -145,7 +145,7 @@ def test_shared_memory_is_bounded_and_the_kv_pool_fits_in_it():
 
 def test_api_key_external_nats_and_overrides():
     spec = {
-        "serving": {"port": 9000, "apiKeySecret": {"name": "api", "key": "token"}},
+        "serving": {"port": 9000, "apiKeySecret": {"name": "api", "key": "token"}, "migrationLimit": 5},
         "nats": {"url": "nats://ext:4222", "credentialsSecret": {"name": "ext-nats"}},
         "speculation": {"method": "draft", "maxK": 4, "draft": {"path": "tiny", "tokenizer": "llama3"}},
         "model": {"path": "big", "image": "registry/models:big", "tokenizer": "llama3"},
@@ -159,7 +159,7 @@ def test_api_key_external_nats_and_overrides():
     kinds = by_kind_name(children)
     assert ("Secret", "llama-nats") not in kinds  # user-named secret used as-is
     f = parsed(children, "front")
-    assert (f.port, f.nats.url) == (9000, "nats://ext:4222")
+    assert (f.port, f.nats.url, f.migration_limit) == (9000, "nats://ext:4222", 5)
     assert f.api_key.get_secret_value() == "api/token", "the API key comes from the user's Secret"
     assert (f.nats.user, f.nats.password.get_secret_value()) == ("ext-nats/user", "ext-nats/password")
     d = parsed(children, "decode")
