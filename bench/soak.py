@@ -10,6 +10,9 @@ Invariants (each a counted violation; the run fails on any):
   with `[DONE]`, its text neither duplicated nor reordered;
 - a failure is clean: an OpenAI-style JSON error (502/503/504), or one SSE `error` event that ends the
   stream; every request ends within REQUEST_BOUND_S; nothing hangs and nothing is lost;
+- no failure at all where migration covers the fault: a request whose life met only worker kills, stops and
+  freezes (MIGRATED_KINDS) moves to other workers and gets its whole answer; the failures are reported by the
+  faults they met, and the moves with where their KV came from and the wait they added (p50, p99);
 - after the faults stop, full capacity (every worker registered, a round of requests all answered right)
   is back within CAPACITY_BOUND_S;
 - nothing leaks: KV bytes in use back to 0 on every decode worker, no shared-memory segment of ours left
@@ -47,6 +50,9 @@ IDLE_GAUGES = ("pdserve_decode_kv_utilization", "pdserve_decode_running_sequence
 RSS_GROWTH = 1.5  # a process's resident memory at the end, at most this × a fresh one's
 KV_DELAY_S = 1.5  # a delayed transfer stalls this long (below the transfer timeout: it must still succeed)
 FAULT_KINDS = ("sigkill", "sigterm", "nats_restart", "sigstop", "kv_corrupt", "kv_truncate", "kv_delay", "kv_cut")
+# What migration covers: a request a worker held when it died, stopped or froze moves to others
+# (`FrontConfig.migration_limit`), so a failure of a request that met only these faults is a violation.
+MIGRATED_KINDS = ("sigkill", "sigterm", "sigstop")
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 
 PROMPTS = {
@@ -112,6 +118,7 @@ class Answer:
     text: str = ""
     token_ids: list[int] | None = None
     seconds: float = 0.0
+    ended_at: float = field(default_factory=time.monotonic)  # when the answer was read (monotonic)
 
 
 def _error_ok(err) -> bool:
@@ -294,6 +301,8 @@ class Tally:
     violations: list[str] = field(default_factory=list)
     faults: Counter = field(default_factory=Counter)
     recovery_s: dict[str, list[float]] = field(default_factory=dict)
+    windows: list[tuple[str, float, float]] = field(default_factory=list)  # (fault kind, injected, recovered)
+    failed: list[tuple[str, float, float, str]] = field(default_factory=list)  # (job, sent, ended, why)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, job: Job, stream: bool, answer: Answer) -> None:
@@ -302,6 +311,22 @@ class Tally:
             self.outcomes[answer.outcome] += 1
             if answer.outcome in ("wrong", "lost"):
                 self.violations.append(f"{job.key} stream={stream}: {answer.outcome}: {answer.why}")
+            elif answer.outcome == "failed_clean":
+                self.failed.append((f"{job.key} stream={stream}", answer.ended_at - answer.seconds, answer.ended_at,
+                                    answer.why))
+
+    def failures_by_fault(self) -> dict[str, int]:
+        """Each cleanly failed request, by the faults whose windows (injection to recovery) its life overlapped:
+        "sigkill", "kv_cut+sigkill", … ("none": no fault's). One whose faults are all MIGRATED_KINDS is a violation:
+        migration should have hidden it."""
+        out: Counter = Counter()
+        for name, start, end, why in self.failed:
+            kinds = sorted({k for k, t0, t1 in self.windows if t0 <= end and start <= t1})
+            out["+".join(kinds) or "none"] += 1
+            if kinds and all(k in MIGRATED_KINDS for k in kinds):
+                self.violations.append(f"{name}: failed ({why}) though it met only {'+'.join(kinds)}, which "
+                                       "migration covers")
+        return dict(out)
 
 
 def _metrics(port: int) -> dict[str, float]:
@@ -435,6 +460,7 @@ class Soak:
             c.wait_ready(60)
             what = name
         took = time.monotonic() - t0
+        self.tally.windows.append((kind, t0, time.monotonic()))
         self.tally.faults[kind] += 1
         self.tally.recovery_s.setdefault(kind, []).append(took)
         self.log(f"soak: {kind:<13} {what:<10} recovered in {took:5.1f} s")
@@ -465,14 +491,27 @@ class Soak:
         leaks = self.leaks()
         return {**self.report(load_s, capacity_s, leaks), "moved": moved}
 
-    def moves(self) -> dict[str, int]:
-        """Requests the front moved off a worker that died holding them, by that worker's role (each one a
-        failure the client did not see: `FrontConfig.migration_limit`)."""
-        import urllib.request
-
+    def moves(self) -> dict:
+        """What the front's metrics say of the requests it moved off a worker that died or stopped holding them
+        (each a failure the client did not see: `FrontConfig.migration_limit`): how many, by that worker's role;
+        the tokens whose KV they needed, by where it came from; and the wait each added for its client (last token
+        before the move to first after), p50 and p99 interpolated in the histogram's buckets as Prometheus'
+        histogram_quantile does."""
         text = urllib.request.urlopen(self.cluster.url + "/metrics", timeout=5).read().decode()
-        return {line.split('role="')[1].split('"')[0]: int(float(line.split()[-1])) for line in text.splitlines()
-                if line.startswith("pdserve_request_moves_total{")}
+
+        def label(line: str, name: str) -> str:
+            return line.split(f'{name}="')[1].split('"')[0]
+        by_role, kv, buckets = {}, {}, []
+        for line in text.splitlines():
+            value = float(line.split()[-1]) if line and not line.startswith("#") else 0.0
+            if line.startswith("pdserve_request_moves_total{"):
+                by_role[label(line, "role")] = int(value)
+            elif line.startswith("pdserve_request_move_kv_tokens_total{"):
+                kv[label(line, "source")] = int(value)
+            elif line.startswith("pdserve_request_move_stall_seconds_bucket{"):
+                buckets.append((float(label(line, "le")), value))
+        return {"by_role": by_role, "kv_tokens": kv, "stalls": int(buckets[-1][1]) if buckets else 0,
+                "stall_p50_s": histogram_quantile(0.5, buckets), "stall_p99_s": histogram_quantile(0.99, buckets)}
 
     def capacity(self, since: float) -> float:
         """Seconds from the last fault until every worker is registered and a round of one request per
@@ -546,8 +585,26 @@ class Soak:
                 "correct": t.outcomes["correct"], "failed_cleanly": t.outcomes["failed_clean"],
                 "wrong": t.outcomes["wrong"], "lost": t.outcomes["lost"], "faults": dict(t.faults),
                 "faults_total": sum(t.faults.values()), "recovery_seconds": rec,
+                "failed_by_fault": t.failures_by_fault(),
                 "capacity_back_seconds": capacity_s, "capacity_bound_seconds": CAPACITY_BOUND_S,
                 "request_bound_seconds": REQUEST_BOUND_S, "leaks": leaks, "violations": t.violations}
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """The `q` quantile of a Prometheus histogram's cumulative (le, count) buckets, linear within a bucket; the
+    highest finite bound when it falls in +Inf; nan when it is empty."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] == 0:
+        return float("nan")
+    rank = q * buckets[-1][1]
+    lo_le, lo_n = 0.0, 0.0
+    for le, n in buckets:
+        if n >= rank:
+            if le == float("inf"):
+                return lo_le
+            return lo_le + (le - lo_le) * (rank - lo_n) / (n - lo_n) if n > lo_n else le
+        lo_le, lo_n = le, n
+    return lo_le
 
 
 def _wait(fn, what: str, timeout: float) -> None:
@@ -580,8 +637,16 @@ def print_report(r: dict) -> None:
     print(f"\nsoak (seed {r['seed']}): {r['load_seconds']} s of load and faults")
     print(f"  requests sent {r['requests_sent']}: correct {r['correct']}, failed cleanly {r['failed_cleanly']}, "
           f"wrong {r['wrong']}, lost {r['lost']}")
-    print("  moved off a dead worker (the client saw nothing): " + (", ".join(
-        f"{role} {n}" for role, n in sorted(r.get("moved", {}).items())) or "none"))
+    m = r.get("moved") or {}
+    print("  moved off a dead or stopped worker (the client saw nothing): " + (", ".join(
+        f"{role} {n}" for role, n in sorted(m.get("by_role", {}).items())) or "none"))
+    if m.get("stalls"):
+        print("    their KV, tokens by source: " + ", ".join(f"{k} {v}" for k, v in sorted(m["kv_tokens"].items()))
+              + f"; the wait a move added: p50 {m['stall_p50_s']:.2f} s, p99 {m['stall_p99_s']:.2f} s "
+              f"({m['stalls']} moves, from the front's histogram buckets)")
+    print("  failed cleanly, by the faults they met: " + (", ".join(
+        f"{k} {v}" for k, v in sorted(r["failed_by_fault"].items())) or "none")
+          + f" (those meeting only {', '.join(MIGRATED_KINDS)} are violations: migration covers them)")
     print(f"  faults injected {r['faults_total']}: " + ", ".join(f"{k} {v}" for k, v in sorted(r["faults"].items())))
     print("  recovery (injection → all workers ready), seconds:")
     for k, v in sorted(r["recovery_seconds"].items()):
