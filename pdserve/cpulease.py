@@ -67,6 +67,7 @@ class CpuLease:
         if self.held:
             return True
         deadline = time.monotonic() + wait_s
+        pause = 0.0001
         while True:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -74,7 +75,10 @@ class CpuLease:
                 if self.waited_out or time.monotonic() >= deadline:
                     self.waited_out = True
                     return False
-                time.sleep(0.0002)  # a borrowed step ends within milliseconds of this
+                # a borrowed step ends within milliseconds: look again soon, less often the longer it runs (a
+                # poll is a wakeup on the cores the borrower steps on), at most a millisecond late
+                time.sleep(pause)
+                pause = min(2 * pause, 0.001)
                 continue
             self.held, self.waited_out = True, False
             return True
