@@ -319,6 +319,11 @@ class DecodeWorker(WorkerBase):
         return (bool(self.running) or bool(self.preempted) or bool(self.prefilling) or self._resuming is not None
                 or self.receiving > 0 or bool(self._receiving_offers) or super().busy())
 
+    def held_requests(self) -> list[tuple[str, str | None]]:
+        return [(s.request_id, s.offer.front_id) for s in (*self.running.values(), *self.prefilling.values(),
+                                                           *self.preempted, *filter(None, [self._resuming]))] \
+            + [(rid, o.front_id) for rid, o in self._receiving_offers.items()]
+
     async def on_drain(self) -> None:
         """Refuse new offers from now on (prefill re-routes them: a request routed here before the `bye`
         still reaches a worker that stays) and leave the model's queue group; finish what is held."""
@@ -385,6 +390,7 @@ class DecodeWorker(WorkerBase):
             await msg.respond(refuse(f"decode worker {self.worker_id} already holds request "
                                      f"{offer.request_id}").encode())
             return
+        self.fronts.vouch(offer.front_id)
         self._receiving_offers[offer.request_id] = offer  # reserved now: a duplicate during the awaits below is refused
         accepted = False
         try:
@@ -553,7 +559,7 @@ class DecodeWorker(WorkerBase):
                 del kv
                 # handoff time as decode sees it: offer accepted -> KV in place, ready to decode
                 await self._emit(seqs[0], kind="handoff", kv_bytes=stats["bytes"],
-                                 kv_seconds=time.monotonic() - accepted_at)
+                                 kv_seconds=time.monotonic() - accepted_at, **self._moved_kv(offer))
             except TransferError as e:
                 self.m_kv_failed.labels("receiver").inc()
                 if spans is not None:
@@ -567,7 +573,8 @@ class DecodeWorker(WorkerBase):
                     return
                 log.warning("KV for %s lost (%s); recomputing the prompt here", rid, e)
                 self.m_recompute.inc()
-                await self._emit(seqs[0], kind="handoff", kv_bytes=0, kv_seconds=0.0)
+                await self._emit(seqs[0], kind="handoff", kv_bytes=0, kv_seconds=0.0,
+                                 **self._moved_kv(offer, recomputed=True))
                 t_admit = tracing.now_ns() if spans is not None else 0
                 await self.compute(self._admit, offer, seqs, None)
                 if spans is not None:
@@ -599,6 +606,14 @@ class DecodeWorker(WorkerBase):
         self.m_running.set(len(self.running))
         self._wake.set()
 
+    @staticmethod
+    def _moved_kv(offer: HandoffOffer, recomputed: bool = False) -> dict:
+        """A moved request's "handoff" event says where its KV came from (`HandoffOffer.cached_tokens`)."""
+        if not offer.resumed:
+            return {}
+        return {"cached_tokens": 0, "fetched_tokens": 0} if recomputed else \
+            {"cached_tokens": offer.cached_tokens, "fetched_tokens": offer.fetched_tokens}
+
     def _holds(self, request_id: str) -> bool:
         """Whether this worker already owns `request_id`: its KV on the way, or a sequence of it running,
         preempted or in the engine."""
@@ -619,9 +634,7 @@ class DecodeWorker(WorkerBase):
         if all(s.stream.done for s in seqs):
             if offer.resumed:  # the tokens the client has already end it: nobody else will say so
                 for s in seqs:
-                    await self._emit(s, kind="done", finish_reason=s.stream.finish_reason,
-                                     usage=Usage(prompt_tokens=len(offer.prompt_token_ids),
-                                                 completion_tokens=len(s.generated)))
+                    await self._emit_done(s)
             return []
         return seqs
 
@@ -719,6 +732,13 @@ class DecodeWorker(WorkerBase):
         if s.trace is not None and fields["kind"] in ("done", "error"):
             self._sequence_ends(s, fields)
         await self._publish(s.request_id, s.events.take(), index=s.index, **fields)
+
+    async def _emit_done(self, s: Sequence) -> None:
+        await self._emit(s, kind="done", finish_reason=s.stream.finish_reason,
+                         usage=Usage(prompt_tokens=len(s.offer.prompt_token_ids), completion_tokens=len(s.generated),
+                                     spec_draft_tokens=s.draft_tokens, spec_accepted_tokens=s.accepted_tokens,
+                                     forced_draft_tokens=s.forced_draft_tokens,
+                                     forced_accepted_tokens=s.forced_accepted_tokens))
 
     # -- the decode loop -------------------------------------------------------------------
 
@@ -1095,12 +1115,7 @@ class DecodeWorker(WorkerBase):
         await self._emit(s, kind="token", token_ids=committed, text=delta,
                          logprobs=logprobs[: len(committed)] if logprobs is not None else None)
         if s.stream.done:  # the last event goes out while `s` still counts as held (`busy`): a drain waits for it
-            await self._emit(s, kind="done", finish_reason=s.stream.finish_reason,
-                             usage=Usage(prompt_tokens=len(s.offer.prompt_token_ids),
-                                         completion_tokens=len(s.generated), spec_draft_tokens=s.draft_tokens,
-                                         spec_accepted_tokens=s.accepted_tokens,
-                                         forced_draft_tokens=s.forced_draft_tokens,
-                                         forced_accepted_tokens=s.forced_accepted_tokens))
+            await self._emit_done(s)
             if self.running.pop(rid, None) is not None:  # else a cancel during the emit released it
                 self._release(s)
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
+import socket
 import time
 import uuid
 from collections import Counter as PyCounter
@@ -40,7 +42,8 @@ from pdserve.front.toolcalls import ToolCallStream, extract, family_for_template
 from pdserve.introspect import register_runtime_metrics
 from pdserve.front.responses import TokenTexts, chat_logprobs, completion_logprobs
 from pdserve.kvtransfer.protocol import (
-    WORKER_STOPPED, Ack, Cancel, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects, TokenLogprob,
+    WORKER_STOPPED, Ack, Cancel, FrontBeat, PrefillRequest, PrepositionHint, ProtocolError, StreamEvent, Subjects,
+    TokenLogprob,
 )
 from pdserve.natsserver import NatsCredentials, close_connection
 from pdserve import logs, tracing
@@ -48,6 +51,7 @@ from pdserve import logs, tracing
 log = logging.getLogger("pdserve.front")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+FRONT_BEAT_INTERVAL_S = 1.0  # a `FrontBeat` every second (its bound: `FrontBeat.stale_after_s`)
 MAX_IGNORED_NAMED = 32  # unknown fields named in the response header and the log, at most
 # what /workers shows of each worker's LoadReport: its load, not its addresses or cache contents
 WORKER_FIELDS = {"worker_id", "role", "model", "pool", "pod", "queue_depth", "queue_wait_seconds", "running", "waiting",
@@ -108,7 +112,11 @@ class Front:
         self.scope = args.deployment_scope
         self.creds = NatsCredentials.from_config(args.nats, scope=self.scope)
         self.registry = WorkerRegistry(self.scope)
+        # this process's identity on its requests (`PrefillRequest.front_id`): the workers cancel them should its
+        # heartbeats stop (`pdserve.frontwatch`); new for every start, so a restarted front's orphans are not its own
+        self.front_id = f"front-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self.nc: nats.NATS | None = None
+        self._beat: asyncio.Task | None = None
         self.inflight: PyCounter[str] = PyCounter()  # decode worker id -> requests this front sent it
         self.inflight_bytes: PyCounter[str] = PyCounter()  # decode worker id -> their KV bytes (estimated)
         self.prefill_inflight: PyCounter[str] = PyCounter()  # prefill worker id -> tokens sent, not yet computed
@@ -133,6 +141,13 @@ class Front:
         self.m_completion_tokens = Counter("pdserve_completion_tokens_total", "generated tokens", registry=r)
         self.m_moves = Counter("pdserve_request_moves_total", "requests dispatched again after the worker holding "
                                "them died, by that worker's role", ["role"], registry=r)
+        self.m_move_kv = Counter("pdserve_request_move_kv_tokens_total", "tokens whose KV a moved request needed on "
+                                 "its new workers, by where it came from: a prefill worker's prefix cache (where the "
+                                 "worker that computed the prompt keeps it), the offload tier, or computed again",
+                                 ["source"], registry=r)
+        self.m_move_stall = Histogram("pdserve_request_move_stall_seconds", "what a move cost the client: from its "
+                                      "last token before the worker was lost (its start, when none) to the first after",
+                                      registry=r, buckets=(0.25, 0.5, 1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 60))
         self.m_hints = Counter("pdserve_preposition_hints_sent_total", "pre-positioning hints sent to prefill",
                                registry=r)
         from pdserve.front.registry import RegistryCollector
@@ -224,8 +239,20 @@ class Front:
         register_runtime_metrics(self.metrics, asyncio.get_running_loop(), lambda: self.nc)
         self.nc = await self.creds.connect(name="pdserve-front", max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         await self.registry.attach(self.nc)
+        self._beat = asyncio.create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        subject, beat = Subjects.front_beat(self.scope, self.front_id), FrontBeat(front_id=self.front_id).encode()
+        while True:
+            try:
+                await self.nc.publish(subject, beat)
+            except Exception as e:  # NATS reconnecting: the next beat will go through
+                log.debug("front heartbeat not sent: %s", e)
+            await asyncio.sleep(FRONT_BEAT_INTERVAL_S)
 
     async def _cleanup(self, app) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
         if self.nc:
             await close_connection(self.nc)
 
@@ -593,6 +620,7 @@ class Generation:
         self.attempt_rid = rid  # the request id the workers know: `rid`, then `rid-m1`, … once moved
         self.first_token_at: float | None = None  # monotonic, across attempts
         self.last_token_at: float | None = None
+        self.stalled_since: float | None = None  # moved, and no token since: from when the client has waited
 
     @property
     def completion_tokens(self) -> int:
@@ -682,7 +710,8 @@ class Generation:
         preq = PrefillRequest(request_id=self.rid, model=f.model_name, prompt_token_ids=self.prompt_ids,
                               sampling=self.params, seed=self.params.seed if self.params.seed is not None
                               else secrets.randbits(63), decode_worker_id=decode.worker_id,
-                              failure_policy=a.kv_failure_policy, spec=spec, traceparent=self.traceparent)
+                              failure_policy=a.kv_failure_policy, spec=spec, traceparent=self.traceparent,
+                              front_id=f.front_id)
         kv_bytes = (len(self.prompt_ids) + self.params.n * self.params.max_tokens) * f.kv_bytes_per_token
         self._account(decode.worker_id, kv_bytes, 1)
         f.m_prompt_tokens.inc(len(self.prompt_ids))
@@ -702,6 +731,8 @@ class Generation:
                     decode = moved_to
                 moves += 1
                 f.m_moves.labels(lost.role).inc()
+                if self.stalled_since is None:  # (moved again before a token: still the first wait)
+                    self.stalled_since = self.last_token_at or t0
                 self.attempt_rid = f"{self.rid}-m{moves}"
                 streamed = list(self.choices[0].token_ids) if self.params.n == 1 else []
                 log.warning("%s: %s; moved with %d tokens streamed, as %s (prefill %s, decode %s)", self.rid,
@@ -724,6 +755,17 @@ class Generation:
         if f.inflight[decode_id] <= 0:
             del f.inflight[decode_id]
             f.inflight_bytes.pop(decode_id, None)
+
+    def _count_move_kv(self, preq: PrefillRequest, cached: int, fetched: int) -> None:
+        """Where a moved request's KV came from (`pdserve_request_move_kv_tokens_total`): of the tokens it needed
+        (the prompt and all streamed but the last), `cached` from a prefill worker's prefix cache, `fetched` of
+        those from the offload tier."""
+        need = len(preq.prompt_token_ids) + max(0, len(preq.generated_token_ids) - 1)
+        cached, fetched = min(cached, need), min(fetched, cached)
+        m = self.front.m_move_kv
+        m.labels("prefix").inc(cached - fetched)
+        m.labels("offload").inc(fetched)
+        m.labels("computed").inc(need - cached)
 
     def _move(self, lost: WorkerLost, moves: int, decode):
         """Where a request goes after the worker holding it died → (prefill worker, its cached tokens, decode
@@ -820,6 +862,8 @@ class Generation:
                                             code=ev.error_type)
                     if ev.kind == "handoff":
                         responsible = ("decode", ev.worker_id)
+                        if preq.resumed and ev.cached_tokens is not None:
+                            self._count_move_kv(preq, ev.cached_tokens, ev.fetched_tokens or 0)
                         if spans is not None:
                             spans.event("handoff", **{"pdserve.decode_worker": ev.worker_id,
                                                       "pdserve.kv_bytes": ev.kv_bytes})
@@ -839,11 +883,16 @@ class Generation:
                                 spans.event("first_token", **{"pdserve.worker": ev.worker_id})
                             self.cached_tokens = ev.cached_tokens or 0
                             self.prepositioned = bool(ev.prepositioned)
+                            if rid != self.rid and ev.cached_tokens is not None:  # moved before its first token
+                                self._count_move_kv(preq, ev.cached_tokens, 0)
                             if queued:
                                 self._unqueue(queued)
                                 queued = None
                         else:
                             f.m_itl.observe(now - self.last_token_at)
+                        if self.stalled_since is not None:
+                            f.m_move_stall.observe(now - self.stalled_since)
+                            self.stalled_since = None
                         self.last_token_at = now
                         choice = self._choice(ev)
                         choice.add(ev)

@@ -29,7 +29,10 @@ Subjects (`{s}` the deployment scope — see LoadReport.scope —, `{m}` the ser
 |                                          |                  | forget)                      |
 | pdserve.v2.decode.{s}.{w}.handoff        | prefill → decode | HandoffOffer → HandoffReply  |
 | pdserve.v2.stream.{s}.{r}                | workers → front  | StreamEvent (tokens/errors)  |
-| pdserve.v2.cancel.{s}.{r}                | front → workers  | Cancel                       |
+| pdserve.v2.cancel.{s}.{r}                | front → workers  | Cancel (a worker sends one   |
+|                                          |                  | for a request whose front    |
+|                                          |                  | went silent)                 |
+| pdserve.v2.front.{s}.{f}                 | front → workers  | FrontBeat (1 Hz; heartbeat)  |
 | pdserve.v2.load.{s}.{role}.{w}           | worker → all     | LoadReport (1 Hz; heartbeat) |
 | pdserve.v2.bye.{s}.{role}.{w}            | worker → all     | LoadReport (clean shutdown)  |
 | pdserve.v2.kv.{s}.data.{t}               | prefill → decode | KV frames (NATS-chunked and  |
@@ -56,7 +59,7 @@ from __future__ import annotations
 import asyncio
 import string
 import time
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
@@ -147,6 +150,15 @@ class Subjects:
         return f"{PREFIX}.cancel.{scope_token(scope)}.*"
 
     @staticmethod
+    def front_beat(scope: str, front_id: str) -> str:
+        return f"{PREFIX}.front.{scope_token(scope)}.{_safe_token(front_id)}"
+
+    @staticmethod
+    def front_beats(scope: str) -> str:
+        """Every front's heartbeat in a scope."""
+        return f"{PREFIX}.front.{scope_token(scope)}.*"
+
+    @staticmethod
     def load(scope: str, role: str, worker_id: str) -> str:
         return f"{PREFIX}.load.{scope_token(scope)}.{_safe_token(role)}.{_safe_token(worker_id)}"
 
@@ -234,11 +246,14 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     v: int = PROTOCOL_VERSION
 
-    def encode(self) -> bytes:
-        return self.model_dump_json(exclude=self._unset_optional()).encode()
+    # Fields added within v2, left out of the encoding while they hold their default: a process of an earlier
+    # build (which refuses a field it does not know) reads the message as before unless the feature is used.
+    added_in_v2: ClassVar[tuple[str, ...]] = ()
 
-    def _unset_optional(self) -> set[str] | None:
-        return None
+    def encode(self) -> bytes:
+        unset = {f for f in self.added_in_v2 if getattr(self, f) == type(self).model_fields[f].get_default(
+            call_default_factory=True)}
+        return self.model_dump_json(exclude=unset or None).encode()
 
     @classmethod
     def decode(cls, data: bytes):
@@ -315,8 +330,7 @@ class Traced(Message):
             raise ValueError(f"traceparent {v[:80]!r} is not a W3C trace context (00-<32 hex>-<16 hex>-<2 hex>)")
         return v
 
-    def _unset_optional(self) -> set[str] | None:
-        return {"traceparent"} if self.traceparent is None else None
+    added_in_v2: ClassVar[tuple[str, ...]] = ("traceparent",)
 
 
 FailurePolicy = Literal["recompute", "fail"]
@@ -337,6 +351,24 @@ class PrefillRequest(Traced):
     # been sent. Prefill computes the KV of the prompt and all of them but the last, samples nothing, and hands
     # them over with it (`HandoffOffer.resumed`); one choice only.
     generated_token_ids: list[int] = Field(default_factory=list)
+    # The front that follows the request (its `FrontBeat`): should that front stop beating, the workers cancel
+    # the request, as nobody is left to read its tokens. None: no front vouches for it (never cancelled so).
+    front_id: str | None = Field(None, max_length=256)
+    added_in_v2 = ("traceparent", "generated_token_ids", "front_id")
+
+    @property
+    def resumed(self) -> bool:
+        """A request moved off a worker that died, with tokens already streamed."""
+        return bool(self.generated_token_ids)
+
+
+class FrontBeat(Message):
+    """A front's heartbeat, every second on `front.{s}.{front_id}`: the workers cancel what a front that stopped
+    beating for `stale_after_s` asked for (a front that crashed, or one cut off from NATS, which could not deliver
+    a token either). Longer than a worker's bound: cancelling is final for the client, moving a request is not."""
+
+    front_id: str = Field(min_length=1, max_length=256)
+    stale_after_s: float = Field(10.0, gt=0)
 
 
 class PrepositionHint(Message):
@@ -394,6 +426,13 @@ class HandoffOffer(Traced):
     # earlier attempt, so decode emits none of them (the stream starts at seq 0) and, should they already end it
     # (a stop, max_tokens), says "done" itself.
     resumed: bool = False
+    front_id: str | None = Field(None, max_length=256)  # `PrefillRequest.front_id`
+    # A moved request's KV, by where prefill got it: its prefix cache (where the worker that computed the prompt
+    # first keeps it), of which the offload tier supplied `fetched_tokens`; the rest it computed. Decode passes them
+    # on in its "handoff" event, for the front's count of what moving cost.
+    cached_tokens: NonNegativeInt = 0
+    fetched_tokens: NonNegativeInt = 0
+    added_in_v2 = ("traceparent", "resumed", "front_id", "cached_tokens", "fetched_tokens")
 
     @property
     def kv_token_ids(self) -> list[int]:
@@ -486,6 +525,10 @@ class StreamEvent(Message):
     kv_seconds: float | None = None
     cached_tokens: int | None = None  # first token event: prompt tokens served from the prefix cache
     prepositioned: bool | None = None  # … of which some were computed ahead by pre-positioning
+    # a moved request's "handoff" event: `HandoffOffer.cached_tokens`/`fetched_tokens` (cached_tokens 0 when decode
+    # recomputed all of it)
+    fetched_tokens: NonNegativeInt | None = None
+    added_in_v2 = ("fetched_tokens",)
 
 
 # The error type of a request a worker stopped holding (SIGTERM, scale-down, a rollout: its drain timeout passed).

@@ -27,9 +27,10 @@ import time
 from collections.abc import Callable
 
 import nats
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from pdserve.config import WorkerConfig, load
+from pdserve.frontwatch import SWEEP_INTERVAL_S, FrontWatch, cancel_orphans
 from pdserve.introspect import register_runtime_metrics
 from pdserve.kvtransfer.protocol import LoadReport, Subjects
 from pdserve.natsserver import NatsCredentials, close_connection
@@ -107,6 +108,9 @@ class WorkerBase:
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._background: set[asyncio.Task] = set()
+        self.fronts = FrontWatch()  # which fronts still follow their requests (`pdserve.frontwatch`)
+        self.m_orphans = Counter("pdserve_orphans_cancelled_total", "requests this worker cancelled because the "
+                                 "front that sent them stopped beating", registry=self.registry)
 
     # -- helpers for subclasses ----------------------------------------------------------------
 
@@ -146,6 +150,10 @@ class WorkerBase:
     def load_fields(self) -> dict:
         return {}
 
+    def held_requests(self) -> list[tuple[str, str | None]]:
+        """The requests this worker holds, (request id, the front that follows it): what `_sweep_orphans` checks."""
+        return []
+
     # -- lifecycle -------------------------------------------------------------------------
 
     async def on_start(self) -> None:
@@ -166,6 +174,15 @@ class WorkerBase:
         # beats until cancelled, draining included: the front follows the requests a draining worker holds
         await heartbeat(self.nc, Subjects.load(self.scope, self.role, self.worker_id), self.load_report)
 
+    async def _sweep_orphans(self) -> None:
+        """Every second: cancel the requests whose front went silent (`pdserve.frontwatch`)."""
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            try:
+                await cancel_orphans(self.nc, self.scope, self.fronts, self.held_requests(), self.role, self.m_orphans)
+            except Exception as e:  # NATS reconnecting: the next sweep will go through
+                log.debug("orphan sweep: %s", e)
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):  # first, so that a stop at any moment from here is orderly
@@ -180,11 +197,13 @@ class WorkerBase:
             return
         stopped.cancel()
         self.nc = connect.result()
+        await self.fronts.attach(self.nc, self.scope)
         await self.on_start()
         if self.args.metrics_port:
             register_runtime_metrics(self.registry, loop, lambda: self.nc, engine=True)
             start_http_server(self.args.metrics_port, registry=self.registry)
         hb = asyncio.create_task(self._heartbeat())
+        sweep = asyncio.create_task(self._sweep_orphans())
         # What is loaded by now (the model's modules, the tokenizer, calibration) lives as long as the process:
         # frozen out of the collector's sight, a full collection in the middle of a step walks only what requests
         # allocated, not the model and the tokenizer every time (docs/PERFORMANCE.md, "Garbage collector").
@@ -202,6 +221,7 @@ class WorkerBase:
         # with NATS gone nothing finished here could reach a client: stop at once
         await self._drain(loop.time() + (self.args.drain_timeout if self.nc.is_connected else 0.0))
         hb.cancel()
+        sweep.cancel()
         await self.on_stop()
         for t in list(self._tasks):
             t.cancel()

@@ -109,6 +109,7 @@ class Job:
     started: bool = False
     done: int = 0  # prompt tokens whose KV is in the pool
     cached: int = 0  # … of which came from the prefix cache
+    fetched: int = 0  # tokens fetched from the offload tier into the prefix cache for it
     prepositioned: bool = False  # the cached part includes pre-positioned blocks
     started_at: float = 0.0  # when its first chunk was scheduled
     stream: LayerStream | None = None  # its KV is being streamed layer by layer to decode
@@ -279,6 +280,14 @@ class PrefillWorker(WorkerBase):
         if any(j.req.request_id == rid for j in self.jobs):
             self._cancelled.add(rid)  # the scheduler drops it between steps
 
+    def _check_ids(self, what: str, ids: list[int]) -> None:
+        vocab = self.runner.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ProtocolError(f"{what} token ids must lie in 0..{vocab - 1}")
+
+    def held_requests(self) -> list[tuple[str, str | None]]:
+        return [(j.req.request_id, j.req.front_id) for j in self.jobs if j.req is not None]
+
     async def _on_request(self, msg) -> None:
         try:
             req = PrefillRequest.decode(msg.data)
@@ -286,14 +295,12 @@ class PrefillWorker(WorkerBase):
             # checked here, so that one bad prompt never fails a batch it would have joined
             if not ids or len(ids) >= self.runner.max_context:
                 raise ProtocolError(f"prompt of {len(ids)} tokens: must be 1..{self.runner.max_context - 1}")
-            vocab = self.runner.config.vocab_size
-            if min(ids) < 0 or max(ids) >= vocab:
-                raise ProtocolError(f"prompt token ids must lie in 0..{vocab - 1}")
-            if gen := req.generated_token_ids:  # a moved request: its KV covers what was generated too
+            self._check_ids("prompt", ids)
+            if req.resumed:  # a moved request: its KV covers what was generated too
+                gen = req.generated_token_ids
                 if req.sampling.n != 1:
                     raise ProtocolError(f"a request with generated tokens has one choice, not n={req.sampling.n}")
-                if min(gen) < 0 or max(gen) >= vocab:
-                    raise ProtocolError(f"generated token ids must lie in 0..{vocab - 1}")
+                self._check_ids("generated", gen)
                 if len(ids) + len(gen) >= self.runner.max_context:
                     raise ProtocolError(f"prompt and generated tokens ({len(ids)} + {len(gen)}) must be fewer "
                                         f"than {self.runner.max_context}")
@@ -301,6 +308,7 @@ class PrefillWorker(WorkerBase):
             await msg.respond(Ack(accepted=False, worker_id=self.worker_id, error=str(e), status=400).encode())
             return
         await msg.respond(Ack(accepted=True, worker_id=self.worker_id).encode())
+        self.fronts.vouch(req.front_id)
         if req.sampling.guided is not None and req.sampling.n == 1:
             await self._compile_grammar(req)
         job = Job(f"req-{next(_JOB_IDS)}-{req.request_id}", req.prompt_token_ids + req.generated_token_ids[:-1],
@@ -344,7 +352,7 @@ class PrefillWorker(WorkerBase):
         return scheduler.defer_ahead(defer_tokens=self.defer_tokens, choices=job.req.sampling.n,
                                      prompt_tokens=len(job.token_ids), cached_tokens=self._local_prefix(job.token_ids),
                                      ahead=scheduler.ahead_tokens(self._waiting(), at),
-                                     resumed=bool(job.req.generated_token_ids))
+                                     resumed=job.req.resumed)
 
     def _reoffer(self) -> None:
         """Offer decode the last prompt still waiting here, once per step (scheduler, between steps).
@@ -420,6 +428,7 @@ class PrefillWorker(WorkerBase):
             if got is not None and got[1] > self._local_prefix(job.token_ids):
                 kv, n = got
                 await self.compute(self._adopt, f"fetch-{job.seq_id}", kv, job.token_ids[:n])
+                job.fetched = n
                 self.m_offload.labels("fetched").inc(n // self.runner.layout.block_size)
         except Exception as e:
             log.warning("prefix fetch for %s failed (computing instead): %s", job.req.request_id, e)
@@ -522,7 +531,7 @@ class PrefillWorker(WorkerBase):
             self._stream_candidates = [j for j, n in batch if scheduler.streams_layers(
                 hint=j.hint, chunk=n, remaining=j.remaining, max_tokens=j.req.sampling.max_tokens if j.req else 0,
                 choices=j.req.sampling.n if j.req else 0, streaming=j.stream is not None,
-                resumed=bool(j.req and j.req.generated_token_ids))]
+                resumed=bool(j.req and j.req.resumed))]
         try:
             logits = self._forward(batch)
         finally:
@@ -573,7 +582,7 @@ class PrefillWorker(WorkerBase):
         choice from the shared prompt KV, one batched step for all; GrammarDeadEnd when its grammar allows no
         first token."""
         params = req.sampling
-        if params.n > 1 or req.generated_token_ids:  # a moved request's next token is decode's to sample
+        if params.n > 1 or req.resumed:  # a moved request's next token is decode's to sample
             return None
         proc = make_processor(params, req.prompt_token_ids, [], logits.shape[-1], self.runner.tokenizer,
                               self.runner.eos_token_ids)
@@ -829,7 +838,13 @@ class PrefillWorker(WorkerBase):
                 self.preposition_hits += 1
                 self.m_pp.labels("hit").inc()
             if choice is None:
-                await self._handoff(req, kv, list(req.generated_token_ids), spans)
+                fetched = min(job.fetched, job.cached)
+                if req.resumed:
+                    log.info("%s resumed: the KV of %d tokens, %d from the prefix cache (%d fetched from the offload "
+                             "tier), %d computed", req.request_id, len(job.token_ids), job.cached, fetched,
+                             len(job.token_ids) - job.cached)
+                await self._handoff(req, kv, list(req.generated_token_ids), spans,
+                                    **({"cached_tokens": job.cached, "fetched_tokens": fetched} if req.resumed else {}))
                 if self.prefix_store is not None:
                     await self._offload(job, kv)
                 return
@@ -879,8 +894,8 @@ class PrefillWorker(WorkerBase):
             request_id=req.request_id, sender_id=self.worker_id, sender_generation=self.generation, layout=layout,
             num_tokens=num_tokens, kv_bytes=kv_bytes, prompt_token_ids=req.prompt_token_ids,
             generated_token_ids=generated, first_token_pending=first_token_pending, sampling=req.sampling,
-            seed=req.seed, next_seq=0 if req.generated_token_ids else len(generated) or int(first_token_pending),
-            resumed=bool(req.generated_token_ids), failure_policy=req.failure_policy,
+            seed=req.seed, next_seq=0 if req.resumed else len(generated) or int(first_token_pending),
+            resumed=req.resumed, front_id=req.front_id, failure_policy=req.failure_policy,
             spec=req.spec, traceparent=req.traceparent, **extra,
             **self.kv_channel.offer_fields(),
         )
@@ -918,9 +933,9 @@ class PrefillWorker(WorkerBase):
         return "; ".join(why)
 
     async def _handoff(self, req: PrefillRequest, kv, generated: list[int],
-                       spans: tracing.RequestSpans | None = None) -> None:
+                       spans: tracing.RequestSpans | None = None, **offer_fields) -> None:
         kv = kv.for_handoff()  # a sliding-window layer's window only (the offload tier keeps every block)
-        offer = self._offer(req, kv.layout, kv.num_tokens, kv.nbytes, generated)
+        offer = self._offer(req, kv.layout, kv.num_tokens, kv.nbytes, generated, **offer_fields)
         self.transfer_backlog += 1
         self.transfer_backlog_bytes += kv.nbytes
         t0 = time.monotonic()

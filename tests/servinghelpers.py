@@ -14,15 +14,41 @@ import urllib.request
 import torch
 
 
-def post(url: str, body, timeout: float = 300) -> tuple[int, dict]:
-    """POST JSON (or raw bytes) → (status, parsed body); HTTP errors are returned, not raised."""
+def post(url: str, body, timeout: float = 300, *, headers: dict | None = None) -> tuple[int, dict]:
+    """POST JSON (or raw bytes), with extra request `headers` (a traceparent, say) → (status, parsed body);
+    HTTP errors are returned, not raised."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def stream(url: str, body: dict, *, on_event=None, timeout: float = 300) -> tuple[list[dict | str], dict]:
+    """POST `body` with `"stream": true` → (its server-sent events, the response headers). Each `data:` event
+    parsed, the closing `data: [DONE]` kept as the string "[DONE]": a stream cut short (an error event last)
+    is told from a whole one. Read as the events arrive, so `on_event(i, event)` (i from 0) acts mid-stream
+    (kills a worker, say); when it returns True the client hangs up there and the events so far are returned.
+    An HTTP error status (no stream at all) raises, with its body."""
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    events: list[dict | str] = []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            headers = dict(r.headers)
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                events.append("[DONE]" if data == "[DONE]" else json.loads(data))
+                if on_event is not None and on_event(len(events) - 1, events[-1]):
+                    break
+    except urllib.error.HTTPError as e:
+        raise AssertionError(f"{url}: HTTP {e.code} instead of a stream: {e.read().decode(errors='replace')}") from e
+    return events, headers
 
 
 def hf_greedy(hf, prompt_ids: list[int], n: int, *, exact: bool = False, **generate_kw) -> list[int]:
