@@ -162,9 +162,10 @@ def draft_room(*, max_tokens: int, generated: int, prompt_tokens: int, max_conte
 class EarlyCancels:
     """Cancels of requests this worker does not hold (yet): every decode worker hears every cancel, and the one
     whose offer is still on its way — a prefill worker frozen past its bound and thawed, a handoff in flight —
-    must refuse it when it comes (`take`). Most never come (the request was another worker's), so the set is
-    bounded: an id is forgotten `ttl_s` after its cancel, and past `most` ids the oldest go first. `clock` is
-    injectable (seconds, monotonic)."""
+    must refuse it each time it comes (`in`: prefill offers a refused handoff again, to any decode worker), and
+    one cancelled while its KV was on its way is dropped once it lands (`take`). Most never come (the request was
+    another worker's), so the set is bounded: an id is forgotten `ttl_s` after its cancel, and past `most` ids the
+    oldest go first. `clock` is injectable (seconds, monotonic)."""
 
     def __init__(self, ttl_s: float = 600.0, most: int = 65536, clock: Callable[[], float] | None = None):
         import time

@@ -378,9 +378,11 @@ class DecodeWorker(WorkerBase):
         if self.draining:
             await msg.respond(refuse(f"decode worker {self.worker_id} is draining").encode())
             return
-        if self._cancelled.take(offer.request_id):
+        if offer.request_id in self._cancelled:
             # cancelled before it was offered: a prefill worker frozen past its bound thawed with a request the
-            # front has since moved elsewhere (or whose client went away); its KV is not wanted
+            # front has since moved elsewhere (or whose client went away); its KV is not wanted. Remembered, not
+            # spent: prefill offers a refused handoff again, to any decode worker (this one too, through the queue
+            # group), and each must refuse it
             await msg.respond(refuse(f"request {offer.request_id} was cancelled before its handoff",
                                      logging.INFO).encode())
             return
