@@ -154,6 +154,9 @@ class PrefillWorker(WorkerBase):
         self._recent_ttft: deque[float] = deque(maxlen=32)
         self._recent_wait: deque[float] = deque(maxlen=32)
         self._cancelled: set[str] = set()
+        # accepted, not queued yet (its grammar compiling, its prefix being fetched from the offload tier): a cancel
+        # meanwhile must still find it
+        self._arriving: dict[str, str | None] = {}  # request id -> its front
         self._wake = asyncio.Event()
         self.prefix_store = None  # the offload tier, when --prefix-offload
         self.stream_layers = args.kv.stream_layers and self.engine.layer_hooks
@@ -277,7 +280,7 @@ class PrefillWorker(WorkerBase):
             rid = Cancel.decode(msg.data).request_id
         except ProtocolError:
             return
-        if any(j.req.request_id == rid for j in self.jobs):
+        if rid in self._arriving or any(j.req.request_id == rid for j in self.jobs):
             self._cancelled.add(rid)  # the scheduler drops it between steps
 
     def _check_ids(self, what: str, ids: list[int]) -> None:
@@ -286,7 +289,8 @@ class PrefillWorker(WorkerBase):
             raise ProtocolError(f"{what} token ids must lie in 0..{vocab - 1}")
 
     def held_requests(self) -> list[tuple[str, str | None]]:
-        return [(j.req.request_id, j.req.front_id) for j in self.jobs if j.req is not None]
+        queued = [(j.req.request_id, j.req.front_id) for j in self.jobs if j.req is not None]
+        return queued + list(self._arriving.items())
 
     async def _on_request(self, msg) -> None:
         try:
@@ -309,6 +313,7 @@ class PrefillWorker(WorkerBase):
             return
         await msg.respond(Ack(accepted=True, worker_id=self.worker_id).encode())
         self.fronts.vouch(req.front_id)
+        self._arriving[req.request_id] = req.front_id
         if req.sampling.guided is not None and req.sampling.n == 1:
             await self._compile_grammar(req)
         job = Job(f"req-{next(_JOB_IDS)}-{req.request_id}", req.prompt_token_ids + req.generated_token_ids[:-1],
@@ -333,6 +338,8 @@ class PrefillWorker(WorkerBase):
             log.warning("request %s: its grammar does not compile: %s", req.request_id, e)
 
     def _queue(self, job: Job) -> None:
+        if job.req is not None:
+            self._arriving.pop(job.req.request_id, None)
         ahead = self._defer_ahead(job)
         self.jobs.append(job)
         if ahead is not None:
@@ -796,8 +803,8 @@ class PrefillWorker(WorkerBase):
             self.m_requests.labels("cancelled").inc()
             if job.trace is not None:
                 job.trace.end(error="cancelled")
-        # kept for a prompt still offered to decode: dropped here if decode refuses it
-        self._cancelled &= {j.req.request_id for j in self.jobs if j.offering}
+        # kept for a prompt still offered to decode (dropped here if decode refuses it), and for one not queued yet
+        self._cancelled &= {j.req.request_id for j in self.jobs if j.offering} | self._arriving.keys()
 
     async def _out_of_blocks(self, plan: list[tuple[Job, int]], err: OutOfBlocks) -> None:
         """The pool cannot hold this step: give up speculative KV first, then preempt the youngest
