@@ -289,13 +289,14 @@ class LocalCluster:
         except OSError:
             return ""
 
-    def restart(self, name: str, timeout: float = 120.0, extra_args: tuple[str, ...] = ()) -> None:
-        """Start a stopped worker again with the arguments it had, then `extra_args` (which win over
+    def restart(self, *names: str, timeout: float = 120.0, extra_args: tuple[str, ...] = ()) -> None:
+        """Start stopped workers again with the arguments each had, then `extra_args` (which win over
         the same flags before them): a new generation of the same id."""
-        old = self.procs[name]
-        if old.poll() is None:
-            self.kill(name)
-        self.spawn(name, *old.args[len(CHILD_PYTHON):], *extra_args)
+        for name in names:
+            old = self.procs[name]
+            if old.poll() is None:
+                self.kill(name)
+            self.spawn(name, *old.args[len(CHILD_PYTHON):], *extra_args)
         self.wait_ready(timeout)
 
     def send_signal(self, name: str, sig: int) -> None:

@@ -10,7 +10,6 @@ it). Past `--migration-limit` moves the request fails as it did before migration
 """
 from __future__ import annotations
 
-import json
 import signal
 import time
 import urllib.request
@@ -20,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.local import LocalCluster
-from servinghelpers import NatsWatch, accepted_by, decoded_by, hf_greedy, metric, post, stream_subjects, wait_for
+from servinghelpers import (NatsWatch, accepted_by, decoded_by, hf_greedy, metric, post, stream, stream_subjects,
+                            wait_for)
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -32,7 +32,7 @@ def cluster(nats_server, model_dir):
     # small chunks: a long prompt stays at prefill for many steps, so a worker is stopped while it holds it;
     # one move allowed, so a request whose second prefill worker dies too fails
     c = LocalCluster(str(model_dir), 2, 2, nats=nats_server.creds, drain_timeout=1, worker_args={
-        "prefill": ["--chunk-size", "32"], "front": ["--migration-limit", "1"]})
+        "prefill": ["--chunk-size", "32", "--prefix-offload"], "front": ["--migration-limit", "1"]})
     c.start()
     yield c
     c.stop()
@@ -40,6 +40,17 @@ def cluster(nats_server, model_dir):
 
 def _moves(cluster) -> float:
     return metric(cluster.port, "pdserve_request_moves_total")
+
+
+def _move_kv(cluster) -> dict[str, float]:
+    """The front's pdserve_request_move_kv_tokens_total by source, and the moves its stall histogram counted."""
+    text = urllib.request.urlopen(cluster.url + "/metrics", timeout=5).read().decode()
+    out = {src: 0.0 for src in ("prefix", "offload", "computed")}
+    for line in text.splitlines():
+        if line.startswith("pdserve_request_move_kv_tokens_total{"):
+            out[line.split('source="')[1].split('"')[0]] = float(line.split()[-1])
+    out["stalls"] = metric(cluster.port, "pdserve_request_move_stall_seconds_count")
+    return out
 
 
 def _long_ids(hf, part: int) -> list[int]:
@@ -142,13 +153,14 @@ def test_past_the_migration_limit_a_request_fails_with_worker_lost(cluster, hf):
 
 def test_decode_refuses_the_offer_of_a_request_cancelled_before_it(cluster, model_dir, hf):
     """A prefill worker that thaws after its request was moved may have finished the prompt and offer its KV:
-    decode, which saw the cancel, refuses the offer at once (no KV moves) rather than take and free it."""
+    decode, which saw the cancel, refuses the offer at once (no KV moves) rather than take and free it — and
+    again when prefill re-offers the refused handoff, to the routed worker or to any through the queue group."""
     import asyncio
 
     import nats
 
     from pdserve.basetypes import KVLayout, SamplingParams
-    from pdserve.kvtransfer.protocol import Cancel, HandoffOffer, HandoffReply, StreamEvent, Subjects
+    from pdserve.kvtransfer.protocol import Cancel, HandoffOffer, HandoffReply, Subjects
     from pdserve.modelstore import model_fingerprint
 
     ids = hf[0].encode("The three primary colours are", add_special_tokens=False)
@@ -164,18 +176,16 @@ def test_decode_refuses_the_offer_of_a_request_cancelled_before_it(cluster, mode
             await nc.publish(Subjects.cancel(cluster.scope, offer.request_id),
                              Cancel(request_id=offer.request_id, reason="moved").encode())
             await nc.flush()
-            refused = HandoffReply.decode((await nc.request(Subjects.decode_handoff(cluster.scope, "decode-0"),
-                                                            offer.encode(), timeout=10)).data)
-            sub = await nc.subscribe(Subjects.stream(cluster.scope, offer.request_id))
-            again = HandoffReply.decode((await nc.request(Subjects.decode_handoff(cluster.scope, "decode-0"),
-                                                          offer.encode(), timeout=10)).data)
-            while again.accepted and StreamEvent.decode((await sub.next_msg(timeout=60)).data).kind != "done":
-                pass  # decode computes it: let it end before the next test watches decode's tokens
-            return refused, again
+            replies = []
+            for subject in (Subjects.decode_handoff(cluster.scope, "decode-0"),
+                            Subjects.decode_handoff(cluster.scope, "decode-0"),
+                            Subjects.decode_handoff_any(cluster.scope, MODEL),
+                            Subjects.decode_handoff_any(cluster.scope, MODEL)):
+                replies.append(HandoffReply.decode((await nc.request(subject, offer.encode(), timeout=10)).data))
+            return replies
 
-    refused, again = asyncio.run(go())
-    assert not refused.accepted and "cancelled before its handoff" in refused.error
-    assert again.accepted  # the cancel is spent: the id is not refused forever
+    for reply in asyncio.run(go()):
+        assert not reply.accepted and "cancelled before its handoff" in reply.error, reply
 
 
 def _decoding(subject, data) -> str | None:
@@ -197,8 +207,12 @@ def _killed_mid_stream(cluster, send, tokens_first: int = 3):
 
 
 def test_a_decode_worker_killed_mid_stream_is_invisible_to_the_client(cluster, hf):
-    ids = hf[0].encode("Write a short story about a lighthouse keeper who", add_special_tokens=False)
-    before = _moves(cluster)
+    """The move's KV comes from the prefill worker that computed the prompt: it keeps the prompt's blocks in its
+    prefix cache, the router sends the moved request back to it, and only the rest is computed."""
+    # 48 tokens of the long text behind a preamble of its own (no other test's prefix), whose greedy 96 tokens hold
+    # no EOS: `ignore_eos` goes on past one (as vLLM's does) where the reference's min_new_tokens would forbid it
+    ids = hf[0].encode("Go on with this text:\n" + LONG, add_special_tokens=False)[:48]
+    before, kv_before = _moves(cluster), _move_kv(cluster)
     body = {"model": MODEL, "prompt": ids, "max_tokens": 96, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     (status, out), killed = _killed_mid_stream(cluster, lambda: post(cluster.url + "/v1/completions", body))
@@ -212,26 +226,80 @@ def test_a_decode_worker_killed_mid_stream_is_invisible_to_the_client(cluster, h
         assert len(moved) == 1 and f"decode worker {killed} died" in moved[0], moved
         streamed = int(moved[0].split("moved with ")[1].split()[0])
         assert 3 <= streamed < 96  # it moved mid-stream, with what the client had
+        # the new workers needed the KV of the prompt and the streamed tokens but the last: every one accounted
+        kv = {k: v - kv_before[k] for k, v in _move_kv(cluster).items()}
+        blocks = len(ids) // 16 * 16  # the prompt's whole blocks; what was streamed was never cached
+        assert len(ids) >= 32 and kv == {"prefix": blocks, "offload": 0, "computed": len(ids) - blocks + streamed - 1,
+                                         "stalls": 1}, kv
     finally:
         cluster.restart(killed)
 
 
-def _sse(url: str, body: dict) -> list[dict | str]:
-    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
-                                 {"Content-Type": "application/json"})
-    events = []
-    with urllib.request.urlopen(req, timeout=120) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if line.startswith("data: "):
-                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[len("data: "):]))
-    return events
+def _prefilling(subject, data) -> str | None:
+    """NatsWatch match: the prefill worker that sent a request's first token."""
+    return next((w for w in ("prefill-0", "prefill-1") if decoded_by(w)(subject, data)), None)
+
+
+def _stored(cluster, model_dir, ids: list[int]) -> int:
+    """How many leading tokens of `ids` the deployment's offload tier holds."""
+    import asyncio
+
+    import nats
+
+    from pdserve.kvtransfer.offload import KVPrefixStore
+    from pdserve.kvtransfer.protocol import Buckets
+    from pdserve.runtime import ModelRunner
+
+    layout = ModelRunner(model_dir).layout
+
+    async def go():
+        async with await nats.connect(**cluster.creds.connect_kwargs()) as nc:
+            got = await KVPrefixStore(nc, layout, bucket=Buckets.prefix(cluster.scope)).get_longest_prefix(ids)
+            return got[1] if got else 0
+    return asyncio.run(go())
+
+
+def test_a_moved_request_fetches_its_prompts_kv_from_the_offload_tier_when_its_prefill_worker_died_too(
+        cluster, model_dir, hf):
+    """Decode dies mid-stream, and so does the prefill worker that computed the prompt (their node lost, say): the
+    other prefill worker fetches the prompt's KV from the offload tier (`--prefix-offload`) instead of computing it
+    again, and computes only what it lacks; the client gets the uninterrupted greedy answer."""
+    # the long text behind a preamble of its own: no worker holds any block of it (a chain of hashes from the start)
+    ids = hf[0].encode("Summarise the following text.\n" + LONG, add_special_tokens=False)[:480]
+    want = hf_greedy(hf, ids, 200, exact=True)
+    kv_before = _move_kv(cluster)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with NatsWatch(cluster.creds, stream_subjects()) as watch, ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(post, cluster.url + "/v1/completions", body)
+        prefill = watch.wait(_prefilling, "the prompt's first token", 120)
+        decode = watch.wait(_decoding, "a decode worker's first token", 60)
+        blocks = len(ids) // 16 * 16
+        wait_for(lambda: _stored(cluster, model_dir, ids) == blocks, "the prompt's blocks in the offload tier", 60)
+        cluster.kill(prefill)
+        cluster.kill(decode)
+        status, out = reply.result()
+    try:
+        assert status == 200, out
+        assert out["choices"][0]["token_ids"] == want
+        moved = [ln for ln in (cluster.log_dir / "front.log").read_text().splitlines()
+                 if out["id"] in ln and "moved with" in ln]
+        assert len(moved) == 1, moved
+        streamed = int(moved[0].split("moved with ")[1].split()[0])
+        assert 1 <= streamed < 200, moved
+        kv = {k: v - kv_before[k] for k, v in _move_kv(cluster).items()}
+        assert kv == {"prefix": 0, "offload": blocks, "computed": len(ids) - blocks + streamed - 1, "stalls": 1}
+    finally:
+        cluster.restart(prefill, decode)
 
 
 def test_a_seeded_stream_moved_off_a_dead_decode_worker_is_its_uninterrupted_replay(cluster, hf):
+    """A prompt shorter than a block: nothing of it can be cached anywhere, so the move computes all its KV."""
     body = {"model": MODEL, "prompt": "Once upon a time, in a small village by the sea,", "max_tokens": 80,
             "temperature": 0.9, "top_p": 0.95, "seed": 2024, "ignore_eos": True}
-    events, killed = _killed_mid_stream(cluster, lambda: _sse(cluster.url + "/v1/completions", body))
+    kv_before = _move_kv(cluster)
+    (events, _), killed = _killed_mid_stream(cluster, lambda: stream(cluster.url + "/v1/completions", body,
+                                                                     timeout=120))
     try:
         assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
         text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
@@ -240,6 +308,10 @@ def test_a_seeded_stream_moved_off_a_dead_decode_worker_is_its_uninterrupted_rep
         assert text == replay["choices"][0]["text"]  # no token's text repeated, none missing
         finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
         assert finish == ["length"]
+        kv = {k: v - kv_before[k] for k, v in _move_kv(cluster).items()}
+        prompt = len(hf[0].encode(body["prompt"], add_special_tokens=False))
+        assert prompt < 16 and kv["prefix"] == kv["offload"] == 0 and kv["stalls"] == 1, kv
+        assert prompt + 3 <= kv["computed"] < prompt + 80, kv  # the prompt and what was streamed, less the last
     finally:
         cluster.restart(killed)
 
@@ -295,6 +367,30 @@ def test_a_moved_request_goes_on_from_its_tokens_and_bad_ones_are_refused(cluste
     assert not ack.accepted and ack.status == 400 and "one choice, not n=2" in ack.error
     ack, _ = _resumed(cluster, hf, "resumed-vocab", [want[0], 10**6], max_tokens=12)
     assert not ack.accepted and ack.status == 400 and "generated token ids must lie in" in ack.error
+
+
+def test_a_moved_guided_request_goes_on_under_its_grammar_from_where_the_client_is(cluster, hf):
+    """A structured-output request moved mid-stream: the new decode worker's grammar state is advanced over the
+    tokens already streamed (not restarted at the grammar's start, which would refuse them or restart the
+    object), so the continuation is the uninterrupted one and the whole answer parses."""
+    import json
+
+    from pdserve.basetypes import Guided
+
+    schema = {"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string"},
+                                                            "maxItems": 3}}, "required": ["colours"]}
+    status, whole = post(cluster.url + "/v1/completions", {
+        "model": MODEL, "prompt": "The three primary colours are", "max_tokens": 48, "temperature": 0,
+        "guided_json": schema, "return_token_ids": True})
+    assert status == 200, whole
+    want = whole["choices"][0]["token_ids"]
+    assert len(want) > 8 and whole["choices"][0]["finish_reason"] == "stop", whole
+    json.loads(whole["choices"][0]["text"])
+    ack, events = _resumed(cluster, hf, "resumed-guided", want[:6], max_tokens=48, ignore_eos=False,
+                           guided=Guided(kind="json_schema", value=json.dumps(schema)))
+    assert ack.accepted, ack
+    assert events[-1].kind == "done" and events[-1].finish_reason == "stop", events[-1]
+    assert want[:6] + [t for e in events if e.kind == "token" for t in e.token_ids] == want
 
 
 def test_a_decode_worker_stopped_mid_stream_moves_what_it_could_not_finish(cluster, hf):
