@@ -20,6 +20,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from pdserve.local import LocalCluster
 from pdserve.natsserver import free_port
+import servinghelpers
 from servinghelpers import hf_greedy, json_object_prefix, metric, post, wait_for
 
 pytestmark = pytest.mark.model
@@ -223,15 +224,13 @@ def test_n_greedy_choices_equal_the_single_greedy_answer(cluster):
 
 
 def stream(cluster, prompt, **body) -> tuple[list[dict], dict]:
+    """Stream a completion (text prompt) or chat (message list); → its chunks (asserting it ended with [DONE])
+    and the response headers."""
     path = "/v1/chat/completions" if isinstance(prompt, list) else "/v1/completions"
     key = "messages" if isinstance(prompt, list) else "prompt"
-    req = urllib.request.Request(cluster.url + path, json.dumps({"model": MODEL, key: prompt, "stream": True, **body}).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        lines = [l[6:] for l in r.read().decode().split("\n\n") if l.startswith("data: ")]
-        headers = dict(r.headers)
-    assert lines[-1] == "[DONE]"
-    return [json.loads(l) for l in lines[:-1]], headers
+    events, headers = servinghelpers.stream(cluster.url + path, {"model": MODEL, key: prompt, **body})
+    assert events[-1] == "[DONE]", events[-3:]
+    return events[:-1], headers
 
 
 def test_streamed_n_and_continuous_usage(cluster):

@@ -4,15 +4,13 @@ alone, and the KV pool back to empty afterwards (no leaked blocks)."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import time
-import urllib.request
 
 import pytest
 
 from pdserve.local import LocalCluster
 from pdserve.natsserver import free_port
-from servinghelpers import metric
+from servinghelpers import metric, post, stream
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -36,24 +34,17 @@ def cluster(nats_server, model_dir):
 
 def complete(url, prompt, n, **extra):
     body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": True, **extra}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())["choices"][0]["token_ids"]
+    status, out = post(url + "/v1/completions", body, timeout=600)
+    assert status == 200, out
+    return out["choices"][0]["token_ids"]
 
 
 def cancel_after(url, prompt, tokens_before_cancel):
-    """Stream a long request and hang up after a few tokens (the client going away)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    seen = 0
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            if raw.startswith(b"data: {"):
-                seen += 1
-                if seen >= tokens_before_cancel:
-                    break
-    return seen
+    """Stream a long request and hang up after a few tokens (the client going away) → how many events it read."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    events, _ = stream(url + "/v1/completions", body, on_event=lambda i, _: i + 1 >= tokens_before_cancel,
+                       timeout=600)
+    return sum(isinstance(e, dict) for e in events)  # "[DONE]" is no token
 
 
 def test_sixteen_interleaved_requests_equal_each_alone_and_leave_no_blocks(cluster):

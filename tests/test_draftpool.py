@@ -7,10 +7,8 @@ end-to-end test runs prefill, decode, front and `pdserve draftpool` as processes
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
-import urllib.request
 import uuid
 
 import nats
@@ -25,6 +23,7 @@ from pdserve.draftpool.server import DraftPool
 from pdserve.kvtransfer.protocol import DraftReply, DraftRequest, Subjects
 
 from bench.sse import sse_events
+from servinghelpers import metric, post
 
 # ------------------------------------------------------------------------------------------ the index
 
@@ -268,19 +267,11 @@ AGENT = [{"role": "system", "content": "You call tools by answering with JSON on
 def _complete(url, messages, tenant=None, spec=True, text=False, **sampling):
     body = {"model": MODEL, "messages": messages, "max_tokens": 40, "temperature": 0, "return_token_ids": True,
             "speculation": {"enabled": spec, **({"tenant": tenant} if tenant else {})}, **sampling}
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        out = json.loads(r.read())
+    status, out = post(url + "/v1/chat/completions", body)
+    assert status == 200, out
     if text:
         return out["choices"][0]["message"]["content"]
     return out["choices"][0]["token_ids"], out["usage"]
-
-
-def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 @pytest.mark.model
@@ -311,20 +302,20 @@ def test_decode_with_the_pool_equals_plain_greedy_and_seeded_sampling_and_surviv
         plain_text = _complete(c.url, AGENT, spec=False, text=True)
         first, _ = _complete(c.url, AGENT, tenant="acme")  # reported to the pool when it ends
         assert first == plain
-        while _metric(port, "pdserve_draftpool_reports_total") < 1:
+        while metric(port, "pdserve_draftpool_reports_total") < 1:
             time.sleep(0.05)  # poll interval: the report is one publish on its way
         second, usage = _complete(c.url, AGENT, tenant="acme")  # its whole answer is now in the fleet index
         assert second == plain
-        assert _metric(port, "pdserve_draftpool_draft_tokens_total") > 0
+        assert metric(port, "pdserve_draftpool_draft_tokens_total") > 0
         assert usage["speculation"]["accepted_tokens"] > 0
 
         # seeded sampling through the pool picks the very tokens plain seeded sampling picks
         seeded = dict(temperature=0.8, top_p=0.95, top_k=40, seed=7)
-        drafted = _metric(port, "pdserve_draftpool_draft_tokens_total")
+        drafted = metric(port, "pdserve_draftpool_draft_tokens_total")
         plain_sampled, _ = _complete(c.url, AGENT, spec=False, **seeded)
         pool_sampled, usage = _complete(c.url, AGENT, tenant="acme", **seeded)
         assert pool_sampled == plain_sampled
-        assert _metric(port, "pdserve_draftpool_draft_tokens_total") > drafted  # the pool drafted for it
+        assert metric(port, "pdserve_draftpool_draft_tokens_total") > drafted  # the pool drafted for it
         assert usage["speculation"]["draft_tokens"] > 0
 
         # the pool dies in the middle of a streamed request: it completes, and so do the next ones

@@ -9,7 +9,6 @@ steps, all on the native decoder whose every reduction is fixed by a row's posit
 """
 from __future__ import annotations
 
-import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 
 from pdserve.local import LocalCluster
 from pdserve.natsserver import free_port
-from servinghelpers import post
+from servinghelpers import post, stream
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -87,16 +86,9 @@ def _burst(cluster, prompts, **kw) -> list[list[int]]:
 
 
 def _streamed_text(cluster, messages) -> str:
-    body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": TOKENS, "temperature": 0,
-                       "stream": True}).encode()
-    req = urllib.request.Request(cluster.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    text = []
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choices = json.loads(line[6:]).get("choices") or []
-                text += [c["delta"].get("content") or "" for c in choices]
-    return "".join(text)
+    events, _ = stream(cluster.url + "/v1/chat/completions",
+                       {"model": MODEL, "messages": messages, "max_tokens": TOKENS, "temperature": 0})
+    return "".join(c["delta"].get("content") or "" for e in events if e != "[DONE]" for c in e.get("choices") or [])
 
 
 def test_a_chat_request_sent_again_streamed_or_not_gets_the_same_answer(cluster):

@@ -6,10 +6,7 @@ truncated answer), and a request whose KV was lost is recomputed or failed, per 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +16,7 @@ import pytest
 from pdserve.basetypes import KVLayout, SamplingParams
 from pdserve.kvtransfer.protocol import Ack, HandoffOffer, HandoffReply, PrefillRequest, StreamEvent, Subjects
 from pdserve.local import LocalCluster
-from servinghelpers import NatsWatch, accepted_by, decoded_by, post, stream_subjects, wait_for
+from servinghelpers import NatsWatch, accepted_by, decoded_by, post, stream, stream_subjects, wait_for
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -153,34 +150,20 @@ def test_malformed_offer_is_refused(cluster, nats_server):
     assert not reply.accepted and "malformed HandoffOffer" in reply.error
 
 
-def _stream_lines(url, body, on_token=None):
-    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
-                                 {"Content-Type": "application/json"})
-    lines = []
-    with urllib.request.urlopen(req, timeout=120) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line:
-                continue
-            lines.append(line)
-            if on_token and len(lines) == 3:
-                on_token()
-    return lines
-
-
 def test_decode_killed_mid_stream_ends_the_stream_with_an_error(cluster):
     killed_at = []
 
-    def kill():
-        killed_at.append(time.monotonic())
-        cluster.kill("decode-0")
+    def kill(i, event):  # at the third event: the stream is under way
+        if i == 2:
+            killed_at.append(time.monotonic())
+            cluster.kill("decode-0")
 
     body = {"model": MODEL, "prompt": "Count from one to one thousand: one, two,", "max_tokens": 400,
             "temperature": 0, "ignore_eos": True}
-    lines = _stream_lines(cluster.url + "/v1/completions", body, on_token=kill)
+    events, _ = stream(cluster.url + "/v1/completions", body, on_event=kill, timeout=120)
     elapsed = time.monotonic() - killed_at[0]
-    assert lines[-1] != "data: [DONE]"
-    err = json.loads(lines[-1][len("data: "):])
+    assert events[-1] != "[DONE]"
+    err = events[-1]
     assert err["error"]["code"] == "worker_lost" and "decode worker decode-0 died" in err["error"]["message"]
     assert elapsed < 15  # the heartbeat bound (3 s) plus slack, not a hang
     cluster.restart("decode-0")

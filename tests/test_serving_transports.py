@@ -3,13 +3,10 @@ whichever way the KV travelled (shared memory is the default between co-located 
 exercised by every other serving test)."""
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import pytest
 
 from pdserve.local import LocalCluster
-from servinghelpers import wire_bytes
+from servinghelpers import post, wire_bytes
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -20,9 +17,9 @@ PROMPT = "The printing press spread literacy across Europe because"
 
 def complete(url):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
+    status, out = post(url + "/v1/completions", body)
+    assert status == 200, out
+    return out
 
 
 @pytest.fixture(scope="module")

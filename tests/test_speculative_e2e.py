@@ -5,12 +5,10 @@ the plain path itself is checked against `transformers` generate in test_serving
 """
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import pytest
 
 from pdserve.local import LocalCluster
+from servinghelpers import post
 
 pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
@@ -36,9 +34,8 @@ def complete(url, prompt, **extra):
         body, path = {"prompt": prompt}, "/v1/completions"
     body.update(model=MODEL, max_tokens=48, temperature=0, return_token_ids=True)
     body.update(extra)
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        out = json.loads(r.read())
+    status, out = post(url + path, body)
+    assert status == 200, out
     choice = out["choices"][0]
     return choice.get("token_ids"), out["usage"], choice
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import secrets
 import time
-import urllib.request
 
 import pytest
 
 from bench.otlp_sink import OtlpReceiver
 from pdserve.local import LocalCluster
-from servinghelpers import wait_for
+from servinghelpers import post, wait_for
 
 pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed (pip install -e '.[otel]')")
 pytestmark = pytest.mark.model
@@ -35,12 +34,6 @@ def traced(nats_server, model_dir):
     yield cluster, receiver
     cluster.stop()
     receiver.close()
-
-
-def _post(url: str, body: dict, headers: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
 
 
 def test_one_request_is_one_trace_across_three_processes(traced):
@@ -67,10 +60,11 @@ def _assert_one_trace(cluster, receiver, streamed: bool) -> None:
     """One request through `cluster` with a client traceparent; its export at `receiver` is the whole tree."""
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     t_start = time.time_ns()
-    out = _post(cluster.url + "/v1/completions",
-                {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-                 "ignore_eos": True}, {"traceparent": f"00-{trace_id}-{client_span}-01"})
+    status, out = post(cluster.url + "/v1/completions",
+                       {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                        "ignore_eos": True}, headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
     t_end = time.time_ns()
+    assert status == 200, out
     completion = out["usage"]["completion_tokens"]
     assert completion == MAX_TOKENS
 
@@ -150,13 +144,17 @@ def test_unsampled_client_trace_records_nothing(traced):
     """A client's traceparent whose sampled flag is off: no process records the request (parent-based sampling)."""
     cluster, receiver = traced
     trace_id = secrets.token_hex(16)
-    out = _post(cluster.url + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 2},
-                {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-00"})
+    status, out = post(cluster.url + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hello",
+                                                         "max_tokens": 2},
+                       headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-00"})
+    assert status == 200, out
     assert out["choices"][0]["text"] is not None
     # a request after it, sampled, is exported: once it is there, the unsampled one would have been too
     marker = secrets.token_hex(16)
-    _post(cluster.url + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 2},
-          {"traceparent": f"00-{marker}-{secrets.token_hex(8)}-01"})
+    status, sampled = post(cluster.url + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hello",
+                                                             "max_tokens": 2},
+                           headers={"traceparent": f"00-{marker}-{secrets.token_hex(8)}-01"})
+    assert status == 200, sampled
     wait_for(lambda: sum(s.trace_id == marker and s.name.endswith(".request") for s in receiver.spans()) == 2,
              "the sampled request's worker spans", 30)
     assert not [s for s in receiver.spans() if s.trace_id == trace_id]
@@ -165,8 +163,10 @@ def test_unsampled_client_trace_records_nothing(traced):
 def test_a_malformed_client_traceparent_starts_a_trace_of_its_own(traced):
     """W3C trace context: a traceparent that does not parse is ignored, not an error."""
     cluster, receiver = traced
-    out = _post(cluster.url + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2},
-                {"traceparent": "00-not-a-trace-01"})
+    status, out = post(cluster.url + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hi",
+                                                         "max_tokens": 2},
+                       headers={"traceparent": "00-not-a-trace-01"})
+    assert status == 200, out
 
     def front_root():
         return next((s for s in receiver.spans() if s.name == "POST /v1/completions"
@@ -183,9 +183,10 @@ def test_log_lines_name_their_request_and_trace_in_json(traced):
     JSON object carrying the request's id and its trace id."""
     cluster, receiver = traced
     trace_id = secrets.token_hex(16)
-    out = _post(cluster.url + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2,
-                                                  "frobnicate": 1},
-                {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+    status, out = post(cluster.url + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hi",
+                                                         "max_tokens": 2, "frobnicate": 1},
+                       headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+    assert status == 200, out
 
     def logged():
         for line in (cluster.log_dir / "front.log").read_text().splitlines():
