@@ -2,7 +2,7 @@
 seeded fault driver kills, stops and freezes workers, restarts NATS and corrupts, truncates, delays and cuts
 KV transfers; every request is checked against its invariants, and leaks are read off the processes after.
 
-    python -P bench/soak.py --minutes 10 [--seed N] [--json out.json]
+    python -P bench/soak.py --minutes 10 [--seed N] [--kinds sigkill,sigterm,sigstop] [--json out.json]
 
 Invariants (each a counted violation; the run fails on any):
 - a 200 is whole and right: a greedy request's tokens equal the reference, a seeded one equals its replay
@@ -343,12 +343,17 @@ def _metrics(port: int) -> dict[str, float]:
 class Soak:
     """The cluster, its proxies, the load and the fault driver of one run."""
 
-    def __init__(self, model: str, seed: int, concurrency: int, gap_s: tuple[float, float], log=print):
+    def __init__(self, model: str, seed: int, concurrency: int, gap_s: tuple[float, float], log=print,
+                 kinds: tuple[str, ...] = FAULT_KINDS):
         from pdserve.local import LocalCluster
         from pdserve.natsserver import free_port
 
         self.rng = random.Random(seed)
         self.seed, self.concurrency, self.gap_s, self.log = seed, concurrency, gap_s, log
+        unknown = set(kinds) - set(FAULT_KINDS)
+        if unknown or not kinds:
+            raise ValueError(f"fault kinds {sorted(unknown) or '(none)'}: choose from {', '.join(FAULT_KINDS)}")
+        self.kinds = tuple(kinds)
         self.metrics_ports = {w: free_port() for w in WORKERS}
         data_ports = {w: free_port() for w in WORKERS if w.startswith("decode")}
         self.proxies = {w: FaultProxy(p, random.Random(seed + i)) for i, (w, p) in enumerate(data_ports.items())}
@@ -473,12 +478,12 @@ class Soak:
         for t in clients:
             t.start()
         t0 = time.monotonic()
-        kinds = list(FAULT_KINDS)
+        kinds = list(self.kinds)
         self.rng.shuffle(kinds)
         while kinds or time.monotonic() - t0 < seconds:
             # the gap between faults: a random moment, from the fault's recovery
             self._stop_load.wait(self.rng.uniform(*self.gap_s))
-            self.inject(kinds.pop() if kinds else self.rng.choice(FAULT_KINDS))
+            self.inject(kinds.pop() if kinds else self.rng.choice(self.kinds))
         faults_end = time.monotonic()
         load_s = faults_end - t0
         capacity_s = self.capacity(faults_end)
@@ -616,10 +621,10 @@ def _wait(fn, what: str, timeout: float) -> None:
 
 
 def soak(minutes: float, seed: int = 0, model: str = "default", concurrency: int = 3,
-         gap_s: tuple[float, float] = (1.0, 6.0), log=print) -> dict:
-    """Start the deployment, take the references, soak for `minutes` (at least one fault of every kind),
+         gap_s: tuple[float, float] = (1.0, 6.0), log=print, kinds: tuple[str, ...] = FAULT_KINDS) -> dict:
+    """Start the deployment, take the references, soak for `minutes` (at least one fault of each of `kinds`),
     check, stop → the report (see `Soak.report`); `report["violations"]` empty when every invariant held."""
-    s = Soak(model, seed, concurrency, gap_s, log)
+    s = Soak(model, seed, concurrency, gap_s, log, kinds)
     try:
         started = s.start()
         log(f"soak: cluster up in {started:.1f} s (logs in {s.cluster.log_dir}); taking references ...")
@@ -665,9 +670,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seeds the fault driver and the load")
     p.add_argument("--model", default="default")
     p.add_argument("--concurrency", type=int, default=3, help="client threads")
+    p.add_argument("--kinds", default=",".join(FAULT_KINDS),
+                   help="the fault kinds to inject, comma-separated (default: all); e.g. "
+                        f"{','.join(MIGRATED_KINDS)} for the ones migration covers")
+    p.add_argument("--gap", type=float, nargs=2, default=(1.0, 6.0), metavar=("MIN", "MAX"),
+                   help="seconds between one fault's recovery and the next fault, drawn uniformly")
     p.add_argument("--json", help="also write the report here")
     a = p.parse_args(argv)
-    r = soak(a.minutes, a.seed, a.model, a.concurrency)
+    r = soak(a.minutes, a.seed, a.model, a.concurrency, tuple(a.gap), kinds=tuple(k for k in a.kinds.split(",") if k))
     print_report(r)
     if a.json:
         with open(a.json, "w") as f:
