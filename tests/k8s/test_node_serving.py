@@ -175,15 +175,6 @@ def test_decode_pod_deleted_mid_stream_is_invisible_to_the_client_and_its_replac
         pin(before.get("minReplicas", 1), before.get("maxReplicas", 4))
 
 
-def _running(k8s_node, pod: dict) -> float:
-    """A decode pod's sequences being decoded (its /metrics, read from the node)."""
-    port = k8s_node.forward(pod["status"]["podIP"], 9100)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("pdserve_decode_running_sequences"))
-
-
 def _delete_decode_mid_stream_then_serve(k8s_node, tools, name, url, model, tok, hf):
     decodes = wait_pods_ready(tools, APP_NS, selector(name, "decode"), 2)
     body = {"model": model, "prompt": "Tell me a story about a lighthouse keeper.", "max_tokens": 300,
@@ -192,7 +183,7 @@ def _delete_decode_mid_stream_then_serve(k8s_node, tools, name, url, model, tok,
 
     def delete_the_decoding_pod(i, event):
         if i == 1:  # prefill's first token, then decode's: a decode pod holds the request now
-            (holder,) = [p for p in decodes if _running(k8s_node, p) == 1]
+            (holder,) = [p for p in decodes if _pod_metric(k8s_node, p, "pdserve_decode_running_sequences") == 1]
             tools.kubectl("delete", "pod", "-n", APP_NS, holder["metadata"]["name"], "--grace-period=0", "--force")
             deleted.append(holder)
 
@@ -224,22 +215,23 @@ def _best_variant() -> str:
     return native_build.runnable_variants()[0]
 
 
+def _pod_metrics(k8s_node, pod: dict) -> str:
+    """A worker pod's /metrics text, read from the node."""
+    port = k8s_node.forward(pod["status"]["podIP"], 9100)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def _pod_metric(k8s_node, pod: dict, name: str) -> float:
+    """The sum of a worker pod's metric `name` over its labels."""
+    return sum(float(line.split()[-1]) for line in _pod_metrics(k8s_node, pod).splitlines()
+               if line.startswith(name))
+
+
 def _engine_info(k8s_node, pod: dict) -> dict[str, str]:
-    """The labels of a worker pod's `pdserve_engine_info` (its /metrics, read from the node)."""
-    port = k8s_node.forward(pod["status"]["podIP"], 9100)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    (line,) = [x for x in text.splitlines() if x.startswith("pdserve_engine_info{")]
+    """The labels of a worker pod's `pdserve_engine_info`."""
+    (line,) = [x for x in _pod_metrics(k8s_node, pod).splitlines() if x.startswith("pdserve_engine_info{")]
     return dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
-
-
-def _decode_handoffs(k8s_node, pod: dict) -> float:
-    """The decode pod's own count of requests handed to it (its /metrics, read from the node)."""
-    port = k8s_node.forward(pod["status"]["podIP"], 9100)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("pdserve_decode_handoffs_total"))
 
 
 def test_real_load_scales_decode_up_and_back_down_without_a_failed_request(k8s_node, tools, isvc):
@@ -263,7 +255,8 @@ def test_real_load_scales_decode_up_and_back_down_without_a_failed_request(k8s_n
                  "the HPA scaling decode to 2", 240)
         both = wait_pods_ready(tools, APP_NS, selector(name, "decode"), 2)
         (new,) = [p for p in both if p["metadata"]["uid"] != first["metadata"]["uid"]]
-        wait_for(lambda: _decode_handoffs(k8s_node, new) > 0, "a request handed to the new decode pod", 240)
+        wait_for(lambda: _pod_metric(k8s_node, new, "pdserve_decode_handoffs_total") > 0,
+                 "a request handed to the new decode pod", 240)
         # Load drops to one short stream at a time: the HPA scales back while requests are in flight.
         light = Load(url, model, concurrency=1, max_tokens=32).start()
         ok, failures = heavy.stop()
